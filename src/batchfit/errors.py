@@ -1,0 +1,66 @@
+"""The exceptions batchfit raises.
+
+Every error a user can cause derives from :class:`BatchfitError` and carries a
+one-line message that says what is wrong and how to fix it. The CLI prints that
+line and exits with :attr:`BatchfitError.exit_code`.
+"""
+
+from __future__ import annotations
+
+
+class BatchfitError(Exception):
+    """Base class of every batchfit error. ``exit_code`` is what the CLI returns."""
+
+    exit_code = 2
+
+
+class InvalidInputError(BatchfitError, ValueError):
+    """A malformed option: a bad shape, size, optimizer, precision or GPU name."""
+
+
+class ModelSpecError(BatchfitError, ValueError):
+    """A model specification that cannot be resolved into a model."""
+
+
+class ModelForwardError(BatchfitError, RuntimeError):
+    """The user's model raised while it was being traced.
+
+    Attributes:
+        module: dotted path of the innermost module that was running ("" is the root).
+        op: the operator that failed, when known.
+    """
+
+    def __init__(self, message: str, module: str | None = None, op: str | None = None):
+        super().__init__(message)
+        self.module = module
+        self.op = op
+
+
+class InputShapeError(ModelForwardError):
+    """The input spec does not fit the model; ``expected`` is the inferred shape if known."""
+
+    def __init__(self, message: str, module: str | None = None, op: str | None = None,
+                 expected: tuple[int, ...] | None = None):
+        super().__init__(message, module, op)
+        self.expected = expected
+
+
+class UntraceableError(ModelForwardError):
+    """The trace cannot continue: an op that fake tensors cannot run (data-dependent
+    output, a custom kernel without a meta implementation)."""
+
+
+class DoesNotFitError(BatchfitError):
+    """Even the smallest batch does not fit the budget.
+
+    Attributes:
+        needed_bytes: device bytes needed at the smallest batch.
+        available_bytes: the budget.
+    """
+
+    exit_code = 3
+
+    def __init__(self, message: str, needed_bytes: int, available_bytes: int):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
