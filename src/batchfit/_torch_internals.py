@@ -1,0 +1,121 @@
+"""Every torch-private API batchfit touches lives here, so a torch upgrade touches one file.
+
+Private pieces used: ``FakeTensorMode`` and its exceptions, ``TorchDispatchMode``,
+``torch._C._current_autograd_node`` and autograd ``Node.metadata``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+#: Exceptions a fake trace raises when an op's output depends on tensor data.
+DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
+#: Raised for ops that have no fake/meta implementation (custom kernels).
+UNSUPPORTED_OP_ERRORS: tuple[type[BaseException], ...] = (UnsupportedOperatorException,)
+
+try:  # symbolic-shape guards on data-dependent values (torch >= 2.1)
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    DATA_DEPENDENT_ERRORS += (GuardOnDataDependentSymNode,)
+except ImportError:  # pragma: no cover - older torch
+    pass
+
+_MODULE_KEY = "batchfit.module"
+
+
+def new_fake_mode() -> FakeTensorMode:
+    """A fake mode that accepts real tensors met during the trace (constants, buffers)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[int, Any] | None:
+    """A stable identity of the tensor's storage, and the storage itself, or None."""
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, nested and other exotic layouts
+        return None
+    return storage._cdata, storage
+
+
+def watch_storage(storage: Any, on_free: Callable[[], None]) -> Any:
+    """Call ``on_free`` when ``storage`` dies. Returns the weakref, which must be kept."""
+    return weakref.ref(storage, lambda _ref: on_free())
+
+
+def current_backward_module() -> str | None:
+    """Dotted module path of the autograd node running now, if it was tagged in forward."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return None
+    return node.metadata.get(_MODULE_KEY)
+
+
+def tag_graph(outputs: Any, module_path: str) -> None:
+    """Tag every untagged autograd node that produced ``outputs`` with ``module_path``.
+
+    Forward hooks fire innermost module first, so a node is claimed by the innermost
+    module that produced it; the walk stops at nodes that are already tagged.
+    """
+    stack = [t.grad_fn for t in tree_leaves(outputs)
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        metadata = node.metadata
+        if _MODULE_KEY in metadata:
+            continue
+        metadata[_MODULE_KEY] = module_path
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+
+
+class OpInterceptor(TorchDispatchMode):
+    """Calls ``on_output(func, args, output)`` after every aten op (below autograd)."""
+
+    def __init__(self, on_output: Callable[[Any, tuple, Any], None],
+                 on_error: Callable[[Any, BaseException], None]):
+        super().__init__()
+        self._on_output = on_output
+        self._on_error = on_error
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            out = func(*args, **(kwargs or {}))
+        except BaseException as exc:
+            self._on_error(func, exc)
+            raise
+        self._on_output(func, args, out)
+        return out
+
+
+def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+
+
+@contextlib.contextmanager
+def preserved_global_state() -> Iterator[None]:
+    """Restore torch's global state (grad mode, default dtype, RNG) after the block."""
+    grad_enabled = torch.is_grad_enabled()
+    default_dtype = torch.get_default_dtype()
+    rng = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_grad_enabled(grad_enabled)
+        torch.set_default_dtype(default_dtype)
+        torch.set_rng_state(rng)

@@ -1,0 +1,100 @@
+"""Build the model on fake tensors without ever materialising its weights.
+
+A factory is called under ``torch.device("meta")`` (many constructors call
+``.item()``, which fails inside FakeTensorMode but works on meta); then every
+parameter and buffer becomes a fake CPU tensor of the target dtype and memory
+format. A user's module is never touched: it is deep-copied with every
+parameter and buffer swapped for a fake twin, so no weight is copied for real.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from batchfit.errors import InvalidInputError, ModelSpecError
+
+
+def _fake_like(tensor: torch.Tensor, fake_mode: Any, float_dtype: torch.dtype | None,
+               channels_last: bool) -> torch.Tensor:
+    dtype = tensor.dtype
+    if float_dtype is not None and dtype.is_floating_point and dtype != torch.float64:
+        dtype = float_dtype
+    with fake_mode:
+        out = torch.empty(tuple(tensor.shape), dtype=dtype, device="cpu")
+        if channels_last and out.dim() == 4:
+            out = out.contiguous(memory_format=torch.channels_last)
+    return out
+
+
+def _swap_tensors(model: nn.Module, fake_mode: Any, float_dtype: torch.dtype | None,
+                  channels_last: bool) -> None:
+    """Replace parameters and buffers in place, keeping tied weights tied."""
+    done: dict[int, Any] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in done:
+                fake = _fake_like(param, fake_mode, float_dtype, channels_last)
+                done[id(param)] = nn.Parameter(fake, requires_grad=param.requires_grad)
+            module._parameters[name] = done[id(param)]
+        for name, buf in list(module._buffers.items()):
+            if buf is None:
+                continue
+            if id(buf) not in done:
+                done[id(buf)] = _fake_like(buf, fake_mode, float_dtype, channels_last)
+            module._buffers[name] = done[id(buf)]
+
+
+def fake_copy(model: nn.Module | Callable[[], nn.Module], fake_mode: Any, *,
+              float_dtype: torch.dtype | None = None, channels_last: bool = False) -> nn.Module:
+    """A fake twin of ``model`` (a module or a zero-argument factory)."""
+    if isinstance(model, nn.Module):
+        memo: dict[int, Any] = {}
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            memo[id(tensor)] = _meta_stub(tensor)
+        try:
+            twin = copy.deepcopy(model, memo)
+        except Exception as exc:  # noqa: BLE001 - user objects can fail to copy in any way
+            raise ModelSpecError(
+                f"cannot copy the model to trace it ({type(exc).__name__}: {exc}); "
+                "pass a factory (a function that builds the model) instead") from exc
+    elif callable(model):
+        try:
+            with torch.device("meta"):
+                twin = model()
+        except Exception as exc:  # noqa: BLE001
+            raise ModelSpecError(
+                f"the model factory raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(twin, nn.Module):
+            raise ModelSpecError(
+                f"the model factory returned {type(twin).__name__}, not a torch.nn.Module")
+    else:
+        raise InvalidInputError(
+            f"model must be an nn.Module or a factory returning one, not {type(model).__name__}")
+    _swap_tensors(twin, fake_mode, float_dtype, channels_last)
+    return twin
+
+
+def _meta_stub(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of the same shape/dtype/requires_grad, standing in during deepcopy."""
+    stub = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(stub, requires_grad=tensor.requires_grad)
+    return stub
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Turn on the model's own activation checkpointing (timm or Hugging Face)."""
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "set_grad_checkpointing"):
+        model.set_grad_checkpointing(True)
+    else:
+        raise InvalidInputError(
+            f"{type(model).__name__} has no built-in activation checkpointing: "
+            "wrap its blocks in torch.utils.checkpoint.checkpoint yourself and drop --checkpointing")

@@ -1,0 +1,148 @@
+"""Replay a traced step on a target device: the memory timeline, its peak and what
+is held at the peak.
+
+On the CPU the answer is the live bytes of every storage (the CPU allocator
+returns memory to the system). On CUDA every event goes through the caching
+allocator model (:mod:`batchfit.allocator`), so the peak is *reserved* memory,
+with the cuBLAS workspace held from the start and the CUDA context added on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from batchfit.allocator import CachingAllocator
+from batchfit.device import DeviceProfile
+from batchfit.trace import Category, Event, EventKind, Phase
+
+_WORKSPACE_KEY = -1
+
+
+@dataclass(frozen=True)
+class ModuleMemory:
+    """Bytes held at the peak by storages created in one module."""
+
+    module: str
+    bytes: int  # noqa: A003 - field name mirrors the JSON key
+    share: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"module": self.module, "bytes": self.bytes, "share": round(self.share, 4)}
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Per-event memory of one step on one device.
+
+    ``allocated_bytes[i]`` / ``reserved_bytes[i]`` are the totals after event ``i``;
+    ``phases[i]`` is the phase of event ``i``. Reserved equals allocated on the CPU.
+    """
+
+    allocated_bytes: tuple[int, ...]
+    reserved_bytes: tuple[int, ...]
+    phases: tuple[Phase, ...]
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    peak_index: int  # the event at the peak that decides the fit (reserved on CUDA)
+    by_category: dict[Category, int]
+    top_modules: tuple[ModuleMemory, ...]
+    peak_phase: Phase
+    peak_op: str
+    peak_module: str
+
+    def to_dict(self, max_points: int = 400) -> dict[str, Any]:
+        step = max(1, len(self.allocated_bytes) // max_points)
+        return {
+            "allocated_bytes": list(self.allocated_bytes[::step]),
+            "reserved_bytes": list(self.reserved_bytes[::step]),
+            "phases": [p.value for p in self.phases[::step]],
+        }
+
+
+def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10) -> Timeline:
+    """Replay ``events`` on ``device`` and describe the peak."""
+    if device.is_cuda:
+        allocator = CachingAllocator()
+        handles: dict[int, int] = {}
+        if device.workspace_bytes:
+            handles[_WORKSPACE_KEY] = allocator.malloc(device.workspace_bytes)
+    allocated: list[int] = []
+    reserved: list[int] = []
+    phases: list[Phase] = []
+    total = 0
+    sizes: dict[int, int] = {}
+    for event in events:
+        if device.is_cuda:
+            if event.kind is EventKind.ALLOC:
+                handles[event.key] = allocator.malloc(event.nbytes)
+            elif event.kind is EventKind.FREE:
+                handle = handles.pop(event.key, None)
+                if handle is not None:
+                    allocator.free(handle)
+            allocated.append(allocator.allocated_bytes)
+            reserved.append(allocator.reserved_bytes)
+        else:
+            if event.kind is EventKind.ALLOC:
+                sizes[event.key] = event.nbytes
+                total += event.nbytes
+            elif event.kind is EventKind.FREE:
+                total -= sizes.pop(event.key, 0)
+            allocated.append(total)
+        phases.append(event.phase)
+    if not device.is_cuda:
+        reserved = allocated
+    if not events:
+        return Timeline((), (), (), 0, 0, -1, {}, (), Phase.SETUP, "", "")
+    peak_index = max(range(len(reserved)), key=reserved.__getitem__)
+    by_category, modules = _held_at(events, peak_index, device)
+    if device.is_cuda:
+        live = sum(by_category.values()) + device.workspace_bytes
+        by_category[Category.ALLOCATOR_SLACK] = reserved[peak_index] - live
+        by_category[Category.CONTEXT] = device.context_bytes + device.workspace_bytes
+        by_category[Category.TEMPORARIES] = by_category.get(Category.TEMPORARIES, 0)
+    held = sum(modules.values()) or 1
+    top_modules = tuple(
+        ModuleMemory(name, size, size / held)
+        for name, size in sorted(modules.items(), key=lambda kv: -kv[1])[:top])
+    peak_event = _last_alloc_at_or_before(events, peak_index)
+    return Timeline(
+        allocated_bytes=tuple(allocated), reserved_bytes=tuple(reserved), phases=tuple(phases),
+        peak_allocated_bytes=max(allocated), peak_reserved_bytes=max(reserved),
+        peak_index=peak_index, by_category=by_category, top_modules=top_modules,
+        peak_phase=events[peak_index].phase, peak_op=peak_event.op if peak_event else "",
+        peak_module=peak_event.module if peak_event else "")
+
+
+def _held_at(events: Sequence[Event], index: int, device: DeviceProfile
+             ) -> tuple[dict[Category, int], dict[str, int]]:
+    """Live bytes by category and by module (activations and temporaries) after ``index``."""
+    from batchfit.allocator import round_size
+
+    live: dict[int, Event] = {}
+    category_of: dict[int, Category] = {}
+    for event in events[: index + 1]:
+        if event.kind is EventKind.ALLOC:
+            live[event.key] = event
+            category_of[event.key] = event.category
+        elif event.kind is EventKind.FREE:
+            live.pop(event.key, None)
+        else:
+            category_of[event.key] = event.category
+    by_category: dict[Category, int] = {}
+    modules: dict[str, int] = {}
+    for key, event in live.items():
+        size = round_size(event.nbytes) if device.is_cuda and event.nbytes else event.nbytes
+        category = category_of[key]
+        by_category[category] = by_category.get(category, 0) + size
+        if category in (Category.ACTIVATIONS, Category.TEMPORARIES, Category.AUTOCAST_COPIES):
+            name = event.module or "<root>"
+            modules[name] = modules.get(name, 0) + size
+    return by_category, modules
+
+
+def _last_alloc_at_or_before(events: Sequence[Event], index: int) -> Event | None:
+    for i in range(index, -1, -1):
+        if events[i].kind is EventKind.ALLOC:
+            return events[i]
+    return None

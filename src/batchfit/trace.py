@@ -1,0 +1,415 @@
+"""Trace one step on fake tensors: every storage allocation and free, tagged with its
+category, module, op and phase.
+
+The tracer watches storages, not tensors: views share their base's storage, and a
+storage is freed when its last tensor dies (a weakref callback on the storage).
+Parameters, buffers, inputs and optimizer state are registered up front; every
+other storage is created by an aten op seen by a dispatch mode below autograd, so
+the tensors autograd saves for backward are exactly the ones still alive.
+
+Known limitations:
+    * Memory allocated inside a kernel and freed before it returns (library
+      workspaces, oneDNN scratch) is invisible; on CUDA it is modelled in
+      :mod:`batchfit.device` as a fixed workspace.
+    * Custom ops with a fake implementation are traced by their outputs only; a
+      warning names them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from enum import IntEnum, StrEnum
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchfit import _torch_internals as ti
+
+
+class Category(StrEnum):
+    """What a byte of device memory is for."""
+
+    PARAMETERS = "parameters"
+    BUFFERS = "buffers"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    INPUTS = "inputs"
+    ACTIVATIONS = "activations"
+    AUTOCAST_COPIES = "autocast_copies"
+    TEMPORARIES = "temporaries"
+    ALLOCATOR_SLACK = "allocator_slack"
+    CONTEXT = "context_workspace"
+
+
+class Phase(StrEnum):
+    SETUP = "setup"
+    ZERO_GRAD = "zero_grad"
+    FORWARD = "forward"
+    LOSS = "loss"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class EventKind(IntEnum):
+    ALLOC = 0
+    FREE = 1
+    RETAG = 2  # the storage changes category (a temporary becomes a gradient)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One change to device memory. For RETAG, ``category`` is the new category."""
+
+    kind: EventKind
+    key: int
+    nbytes: int
+    category: Category
+    module: str
+    op: str
+    phase: Phase
+
+
+_CREATED_AS = {
+    Phase.SETUP: Category.TEMPORARIES,
+    Phase.ZERO_GRAD: Category.TEMPORARIES,
+    Phase.FORWARD: Category.ACTIVATIONS,
+    Phase.LOSS: Category.ACTIVATIONS,
+    Phase.BACKWARD: Category.TEMPORARIES,
+    Phase.OPTIMIZER: Category.TEMPORARIES,
+}
+_TO_COPY = torch.ops.aten._to_copy.default
+_CUSTOM_NAMESPACES_OK = {"aten", "prims", "_c10d_functional", "c10d_functional"}
+
+
+class Tracer:
+    """Records :class:`Event` s while active. One tracer traces one step.
+
+    Use :meth:`register` for storages that exist before the step, set
+    :attr:`phase` as the step goes, and :meth:`watch_module` to attribute memory to
+    submodules.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.phase = Phase.SETUP
+        # storage address -> [nbytes, category, module, weakref, uid]; addresses are reused
+        # after a free, so events carry a unique id instead
+        self._live: dict[int, list[Any]] = {}
+        self._next_uid = 0
+        self._module_stack: list[str] = []
+        self._recording = False
+        self.failed_op: str | None = None
+        self.failed_module: str | None = None
+        self.custom_ops: dict[str, str] = {}  # op -> module where first seen
+        self._interceptor = ti.OpInterceptor(self._on_output, self._on_error)
+        self._hooks: list[Any] = []
+
+    # -- lifecycle ---------------------------------------------------------------
+    def __enter__(self) -> "Tracer":
+        self._recording = True
+        self._interceptor.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._interceptor.__exit__(*exc)
+        self._recording = False
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    # -- storages --------------------------------------------------------------------
+    def current_module(self) -> str:
+        if self._module_stack:
+            return self._module_stack[-1]
+        if self.phase is Phase.BACKWARD:
+            return ti.current_backward_module() or ""
+        return ""
+
+    def register(self, tensor: torch.Tensor, category: Category, module: str = "") -> None:
+        """Record an existing storage (a parameter, an input) as allocated now."""
+        found = ti.storage_key(tensor)
+        if found is not None and found[0] not in self._live:
+            self._add(found[0], found[1], category, module, "")
+
+    def retag(self, tensor: torch.Tensor, category: Category) -> None:
+        found = ti.storage_key(tensor)
+        if found is None:
+            return
+        entry = self._live.get(found[0])
+        if entry is None:
+            self._add(found[0], found[1], category, self.current_module(), "")
+        elif entry[1] is not category:
+            entry[1] = category
+            self.events.append(Event(EventKind.RETAG, entry[4], entry[0], category,
+                                     entry[2], "", self.phase))
+
+    def category_of(self, tensor: torch.Tensor) -> Category | None:
+        found = ti.storage_key(tensor)
+        entry = self._live.get(found[0]) if found else None
+        return entry[1] if entry else None
+
+    def _add(self, key: int, storage: Any, category: Category, module: str, op: str) -> None:
+        nbytes = storage.nbytes()
+        uid = self._next_uid
+        self._next_uid += 1
+
+        def on_free() -> None:
+            entry = self._live.pop(key, None)
+            if entry is not None and self._recording:
+                self.events.append(Event(EventKind.FREE, uid, entry[0], entry[1], entry[2],
+                                         "", self.phase))
+
+        ref = ti.watch_storage(storage, on_free)
+        self._live[key] = [nbytes, category, module, ref, uid]
+        self.events.append(Event(EventKind.ALLOC, uid, nbytes, category, module, op, self.phase))
+
+    def _on_output(self, func: Any, args: tuple, out: Any) -> None:
+        module = None
+        op = None
+        for tensor in ti.iter_tensors(out):
+            found = ti.storage_key(tensor)
+            if found is None or found[0] in self._live:
+                continue
+            if op is None:
+                op = str(func)
+                module = self.current_module()
+                namespace = op.split(".", 1)[0]
+                if namespace not in _CUSTOM_NAMESPACES_OK and op not in self.custom_ops:
+                    self.custom_ops[op] = module
+            category = self._category_for(func, args)
+            self._add(found[0], found[1], category, module, op)
+
+    def _category_for(self, func: Any, args: tuple) -> Category:
+        if self.phase is Phase.BACKWARD:
+            # module forwards inside backward are activation-checkpoint recomputation
+            return Category.ACTIVATIONS if self._module_stack else Category.TEMPORARIES
+        if func is _TO_COPY and args and isinstance(args[0], torch.Tensor):
+            if self.category_of(args[0]) in (Category.PARAMETERS, Category.BUFFERS):
+                return Category.AUTOCAST_COPIES  # a low-precision copy of a weight
+        return _CREATED_AS[self.phase]
+
+    def _on_error(self, func: Any, exc: BaseException) -> None:
+        if self.failed_op is None:
+            self.failed_op = str(func)
+            self.failed_module = self.current_module()
+
+    # -- modules -----------------------------------------------------------------------
+    def watch_module(self, model: nn.Module) -> None:
+        """Attribute allocations to the submodule that runs (forward, and backward)."""
+        for path, module in model.named_modules():
+            self._hooks.append(module.register_forward_pre_hook(self._pre_hook(path)))
+            self._hooks.append(module.register_forward_hook(self._post_hook(path),
+                                                            always_call=True))
+
+    def _pre_hook(self, path: str):
+        def hook(module: nn.Module, args: Any) -> None:
+            self._module_stack.append(path)
+        return hook
+
+    def _post_hook(self, path: str):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.failed_op is not None:
+                return  # keep the stack as it was at the failure, for the error message
+            if self._module_stack and self._module_stack[-1] == path:
+                self._module_stack.pop()
+            if torch.is_grad_enabled() and self.phase is not Phase.BACKWARD:
+                ti.tag_graph(output, path)
+        return hook
+
+    def warn_custom_ops(self) -> None:
+        for op, module in self.custom_ops.items():
+            warnings.warn(
+                f"custom op {op} in module '{module or '<root>'}': only its outputs are traced; "
+                "memory it allocates internally is not counted", stacklevel=3)
+
+
+# -- tracing a whole step ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """The events of one traced step.
+
+    ``steady_events`` is the steady-state step (optimizer state exists from the
+    start, as from the second step on); ``first_events`` is the first step, which
+    creates the optimizer state. For inference both are the same.
+    """
+
+    steady_events: tuple[Event, ...]
+    first_events: tuple[Event, ...]
+    batch_size: int
+    custom_ops: dict[str, str]
+    parameter_count: int
+    trainable_parameter_count: int
+
+
+def _expected_input(model: nn.Module) -> tuple[str, tuple[int, ...] | None]:
+    """What the first layer wants, for error messages."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.conv._ConvNd):
+            dims = len(module.kernel_size)
+            spatial = ("H", "W", "D")[:dims]
+            return f"({module.in_channels}, {', '.join(spatial)})", None
+        if isinstance(module, nn.Linear):
+            return f"(..., {module.in_features})", None
+        if isinstance(module, nn.Embedding):
+            return f"integer token ids in [0, {module.num_embeddings})", None
+        if isinstance(module, nn.RNNBase):
+            return f"(seq_len, {module.input_size})", None
+    return "", None
+
+
+_SHAPE_WORDS = ("shape", "size", "dimension", "expected input", "mat1 and mat2", "channels",
+                "must match", "out of range", "index out of", "dtype", "scalar type")
+
+
+def _translate_error(exc: BaseException, tracer: Tracer, model: nn.Module, phase: Phase) -> Exception:
+    from batchfit.errors import InputShapeError, ModelForwardError, UntraceableError
+
+    module = tracer.failed_module if tracer.failed_module is not None else tracer.current_module()
+    where = f"module '{module or '<root>'}'"
+    op = tracer.failed_op
+    at_op = f" at {op}" if op else ""
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    if isinstance(exc, ti.DATA_DEPENDENT_ERRORS):
+        return UntraceableError(
+            f"{where}{at_op} needs tensor values (data-dependent output), which a fake trace "
+            f"cannot know: make the shape static (e.g. pad to a fixed size) or pass a factory "
+            f"that avoids .item()/nonzero in forward", module, op)
+    if isinstance(exc, ti.UNSUPPORTED_OP_ERRORS):
+        return UntraceableError(
+            f"{where}{at_op}: the op has no fake-tensor implementation (a custom kernel?): "
+            f"register one with torch.library.register_fake, or replace the op", module, op)
+    if phase in (Phase.FORWARD, Phase.LOSS):
+        text = first_line.lower()
+        if isinstance(exc, (RuntimeError, ValueError, IndexError)) and any(
+                w in text for w in _SHAPE_WORDS):
+            wanted, expected = _expected_input(model)
+            hint = f"; the first layer expects per-sample input {wanted}" if wanted else ""
+            return InputShapeError(
+                f"input does not fit the model in {where}{at_op}: {first_line}{hint}",
+                module, op, expected)
+        return ModelForwardError(
+            f"the model's forward raised {type(exc).__name__} in {where}{at_op}: {first_line}",
+            module, op)
+    return ModelForwardError(
+        f"the {phase.value} phase raised {type(exc).__name__} in {where}{at_op}: {first_line}",
+        module, op)
+
+
+def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: Any) -> StepTrace:
+    """Trace one step of ``model`` at ``batch_size`` on fake tensors.
+
+    Args:
+        model: an ``nn.Module`` (never modified) or a zero-argument factory.
+        inputs: a per-sample input spec (see :func:`batchfit.step.normalize_input_spec`).
+        batch_size: the batch size.
+        config: a :class:`batchfit.spec.TrainConfig`.
+        device: a :class:`batchfit.device.DeviceProfile`.
+    """
+    import contextlib
+
+    from batchfit.errors import BatchfitError, InvalidInputError
+    from batchfit.fake import enable_checkpointing, fake_copy
+    from batchfit.spec import Mode
+    from batchfit.step import StepRunner, make_batch, normalize_input_spec, torch_dtype
+
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise InvalidInputError(f"batch size must be a positive integer, not {batch_size!r}")
+    spec = normalize_input_spec(inputs)
+    precision = config.precision
+    float_dtype = None if precision.weight_dtype == "float32" else torch_dtype(precision.weight_dtype)
+    training = config.mode is Mode.TRAIN
+    fake_mode = ti.new_fake_mode()
+    with ti.preserved_global_state():
+        twin = fake_copy(model, fake_mode, float_dtype=float_dtype,
+                         channels_last=config.channels_last)
+        if config.checkpointing and training:
+            enable_checkpointing(twin)
+        tracer = Tracer()
+        params = list(twin.parameters())
+        for p in params:
+            tracer.register(p, Category.PARAMETERS)
+        for b in twin.buffers():
+            tracer.register(b, Category.BUFFERS)
+        generator = torch.Generator().manual_seed(0)
+        with fake_mode:
+            batch = make_batch(spec, batch_size, float_dtype, generator, config.channels_last)
+        for t in ti.iter_tensors(batch):
+            tracer.register(t, Category.INPUTS)
+        emulation = None
+        if device.is_cuda:
+            from batchfit.cuda_emulation import CudaEmulation
+
+            amp = precision.autocast_dtype
+            emulation = CudaEmulation(device.compute_capability,
+                                      autocast_dtype=torch_dtype(amp) if amp else None)
+            autocast = emulation.autocast_region if amp else None
+        elif precision.autocast_dtype:
+            amp_dtype = torch_dtype(precision.autocast_dtype)
+            autocast = lambda: torch.autocast("cpu", dtype=amp_dtype)  # noqa: E731
+        else:
+            autocast = None
+        with fake_mode:
+            runner = StepRunner(twin, config, batch, autocast=autocast,
+                                foreach=True if device.is_cuda else False,
+                                on_phase=lambda name: setattr(tracer, "phase", Phase(name)),
+                                generator=generator)
+        if runner.scaler is not None:
+            tracer.register(runner.scaler.scale, Category.OPTIMIZER_STATE)
+            tracer.register(runner.scaler.growth_tracker, Category.OPTIMIZER_STATE)
+        grad_hooks = [p.register_post_accumulate_grad_hook(
+            lambda q: tracer.retag(q.grad, Category.GRADIENTS)) for p in params if p.requires_grad]
+        tracer.watch_module(twin)
+        setup_end = len(tracer.events)
+        marks: list[int] = []
+        emulation_ctx = emulation if emulation is not None else contextlib.nullcontext()
+        try:
+            with fake_mode, emulation_ctx, tracer:
+                if training:
+                    runner.forward_backward()
+                    marks.append(len(tracer.events))
+                    runner.optimizer_step()
+                    for state in runner.optimizer.state.values():
+                        for value in state.values():
+                            if isinstance(value, torch.Tensor):
+                                tracer.retag(value, Category.OPTIMIZER_STATE)
+                    marks.append(len(tracer.events))
+                    runner.optimizer_step()
+                else:
+                    runner.infer_step()
+                end = len(tracer.events)
+        except BatchfitError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - translated into one clear line
+            raise _translate_error(exc, tracer, twin, tracer.phase) from exc
+        finally:
+            for hook in grad_hooks:
+                hook.remove()
+    events = tracer.events
+    if training:
+        fwd_bwd_end, first_end = marks
+        first = tuple(events[:first_end])
+        steady = (tuple(events[:setup_end]) + _surviving_allocs(events[fwd_bwd_end:first_end])
+                  + tuple(events[setup_end:fwd_bwd_end]) + tuple(events[first_end:end]))
+    else:
+        first = steady = tuple(events[:end])
+    return StepTrace(
+        steady_events=steady, first_events=first, batch_size=batch_size,
+        custom_ops=dict(tracer.custom_ops),
+        parameter_count=sum(p.numel() for p in params),
+        trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad))
+
+
+def _surviving_allocs(events: list[Event]) -> tuple[Event, ...]:
+    """Allocations in ``events`` that are still alive at the end, as optimizer state."""
+    alive: dict[int, Event] = {}
+    for event in events:
+        if event.kind is EventKind.ALLOC:
+            alive[event.key] = event
+        elif event.kind is EventKind.FREE:
+            alive.pop(event.key, None)
+    return tuple(Event(EventKind.ALLOC, e.key, e.nbytes, Category.OPTIMIZER_STATE, e.module,
+                       e.op, Phase.SETUP) for e in alive.values())
