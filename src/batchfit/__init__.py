@@ -26,6 +26,9 @@ _LAZY = {
     "Category": "batchfit.trace",
     "Phase": "batchfit.trace",
     "DeviceProfile": "batchfit.device",
+    "max_batch_size": "batchfit.maxbatch",
+    "max_seq_len": "batchfit.maxbatch",
+    "MaxBatchResult": "batchfit.maxbatch",
 }
 
 __all__ = [

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from torch import nn
 
 from batchfit.device import DeviceProfile, resolve_device
-from batchfit.spec import TrainConfig
+from batchfit.spec import TrainConfig, make_config
 from batchfit.timeline import ModuleMemory, Timeline, replay_events
 from batchfit.trace import Category, Phase, StepTrace, trace_step
 
@@ -54,6 +54,7 @@ class MemoryEstimate:
     parameter_count: int = 0
     trainable_parameter_count: int = 0
     warnings: tuple[str, ...] = ()
+    largest_tensor: tuple[int, str, str] = (0, "", "")  # (elements, op, module)
 
     def explain(self) -> str:
         """One sentence saying what dominates the peak."""
@@ -84,6 +85,7 @@ class MemoryEstimate:
             "trainable_parameter_count": self.trainable_parameter_count,
             "explanation": self.explain(),
             "warnings": list(self.warnings),
+            "largest_tensor_elements": self.largest_tensor[0],
         }
         if timeline:
             data["timeline"] = self.timeline.to_dict()
@@ -114,12 +116,7 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
         >>> est.by_category[batchfit.Category.PARAMETERS]
         4198400
     """
-    if config is None:
-        config = TrainConfig(**options)
-    elif options:
-        from dataclasses import replace
-
-        config = replace(config, **options)
+    config = make_config(config, options)
     profile = resolve_device(device)
     trace = trace_step(model, inputs, batch_size, config, profile)
     return summarize(trace, profile)
@@ -143,4 +140,5 @@ def summarize(trace: StepTrace, device: DeviceProfile) -> MemoryEstimate:
         by_category=steady.by_category, peak_phase=steady.peak_phase, peak_op=steady.peak_op,
         peak_module=steady.peak_module, top_modules=steady.top_modules, timeline=steady,
         parameter_count=trace.parameter_count,
-        trainable_parameter_count=trace.trainable_parameter_count, warnings=warnings)
+        trainable_parameter_count=trace.trainable_parameter_count, warnings=warnings,
+        largest_tensor=trace.largest_tensor)

@@ -211,3 +211,13 @@ class TrainConfig:
             object.__setattr__(self, "optimizer",
                                parse_enum(OptimizerName, self.optimizer, "optimizer"))
         object.__setattr__(self, "optimizer_kwargs", dict(self.optimizer_kwargs))
+
+
+def make_config(config: TrainConfig | None, options: Mapping[str, Any]) -> TrainConfig:
+    """``config`` with ``options`` applied, or a new config from ``options``."""
+    try:
+        if config is None:
+            return TrainConfig(**options)
+        return replace(config, **options) if options else config
+    except TypeError as exc:
+        raise InvalidInputError(f"unknown option: {exc}") from exc

@@ -103,6 +103,7 @@ class Tracer:
         self.failed_op: str | None = None
         self.failed_module: str | None = None
         self.custom_ops: dict[str, str] = {}  # op -> module where first seen
+        self.largest: tuple[int, str, str] = (0, "", "")  # (numel, op, module) of the largest output
         self._interceptor = ti.OpInterceptor(self._on_output, self._on_error)
         self._hooks: list[Any] = []
 
@@ -180,6 +181,9 @@ class Tracer:
                     self.custom_ops[op] = module
             category = self._category_for(func, args)
             self._add(found[0], found[1], category, module, op)
+            numel = tensor.numel()
+            if numel > self.largest[0]:
+                self.largest = (numel, op, module)
 
     def _category_for(self, func: Any, args: tuple) -> Category:
         if self.phase is Phase.BACKWARD:
@@ -243,6 +247,7 @@ class StepTrace:
     custom_ops: dict[str, str]
     parameter_count: int
     trainable_parameter_count: int
+    largest_tensor: tuple[int, str, str] = (0, "", "")  # (elements, op, module)
 
 
 def _expected_input(model: nn.Module) -> tuple[str, tuple[int, ...] | None]:
@@ -400,7 +405,8 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         steady_events=steady, first_events=first, batch_size=batch_size,
         custom_ops=dict(tracer.custom_ops),
         parameter_count=sum(p.numel() for p in params),
-        trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad))
+        trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad),
+        largest_tensor=tracer.largest)
 
 
 def _surviving_allocs(events: list[Event]) -> tuple[Event, ...]:

@@ -1,0 +1,28 @@
+# Two commands for a new machine (see README):
+#   make demo   set everything up, then predict the largest batch of ResNet-50 on an RTX 3090
+#   make test   set everything up, then run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is pinned first so pip never resolves a plain `torch` (a multi-GB download);
+# the package itself only asks for torch>=2.4.
+TORCH_PIN := torch==2.14.1 torchvision==0.29.1
+
+.PHONY: setup demo test bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[dev]' $(TORCH_PIN)
+	touch $@
+
+demo: setup
+	$(VENV)/bin/batchfit max timm:resnet50 --gpu "RTX 3090" --precision amp-fp16
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/accuracy_cpu.py

@@ -1,0 +1,256 @@
+"""The ``batchfit`` command line (typer + rich).
+
+Exit codes: 0 ok; 2 bad input (one line, no traceback unless ``--debug``); 3 nothing fits.
+Torch is imported inside the commands, so ``batchfit --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+from typing import Any, Iterator, Optional
+
+import typer
+from rich.console import Console
+
+from batchfit.errors import BatchfitError, InvalidInputError
+from batchfit.spec import Mode, OptimizerName, Precision, parse_enum, parse_shape, parse_size
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Predict the GPU memory of a PyTorch step and the largest batch that fits.")
+out = Console()
+err = Console(stderr=True)
+
+ModelArg = typer.Argument(..., help="timm:NAME, torchvision:NAME, hf:NAME or path/to/file.py:factory")
+GpuOpt = typer.Option(None, "--gpu", help="a catalog GPU name (batchfit gpus lists them), or 'auto'")
+DeviceOpt = typer.Option(None, "--device", help="cpu, or cuda:N to read a live GPU")
+InputOpt = typer.Option(None, "--input", help="per-sample input shape, e.g. 3x224x224")
+SeqOpt = typer.Option(None, "--seq-len", help="sequence length for token models")
+ModeOpt = typer.Option("train", "--mode", help="train or infer")
+OptimOpt = typer.Option("adamw", "--optimizer",
+                        help="sgd, momentum, nesterov, adam, adamw, adagrad, rmsprop, adafactor")
+PrecOpt = typer.Option("fp32", "--precision", help="fp32, tf32, amp-fp16, amp-bf16, bf16, fp16")
+CkptOpt = typer.Option(False, "--checkpointing", help="activation checkpointing")
+ClOpt = typer.Option(False, "--channels-last", help="channels-last memory format")
+OverheadOpt = typer.Option(None, "--overhead", help="CUDA context size, e.g. 600MiB")
+KwargsOpt = typer.Option(None, "--model-kwargs", help="key=value passed to the model builder")
+JsonOpt = typer.Option(False, "--json", help="print one JSON object")
+PlotOpt = typer.Option(None, "--plot", help="write a PNG plot here")
+DebugOpt = typer.Option(False, "--debug", help="show tracebacks")
+
+
+@contextlib.contextmanager
+def _errors(debug: bool) -> Iterator[None]:
+    """One clear line and an exit code for every error; a traceback only with --debug."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except BatchfitError as exc:
+        if debug:
+            raise
+        err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except Exception as exc:  # noqa: BLE001 - last resort: still one line
+        if debug:
+            raise
+        line = (str(exc).strip().splitlines() or [""])[0]
+        err.print(f"[red]error:[/red] {type(exc).__name__}: {line} (rerun with --debug for details)",
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+def _progress(enabled: bool, description: str):
+    """A rich status spinner on stderr for anything slower than a blink."""
+    if not enabled:
+        return contextlib.nullcontext(None)
+    return err.status(description)
+
+
+def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
+                    overhead: str | None, need_budget: bool) -> tuple[Any, int | None]:
+    from batchfit.device import DeviceProfile, gpu_profile
+
+    if gpu and device:
+        raise InvalidInputError("give --gpu or --device, not both")
+    memory_bytes = parse_size(memory) if memory is not None else None
+    if gpu and memory_bytes is not None:
+        raise InvalidInputError(
+            "--gpu and --memory conflict: --memory sets the budget for --device cpu; "
+            "to model a card with other memory use --gpu NAME only, or --device cpu --memory SIZE")
+    if device is not None:
+        text = device.strip().lower()
+        if text == "cpu":
+            profile = DeviceProfile.cpu()
+        elif re.fullmatch(r"cuda(:\d+)?", text):
+            from batchfit.catalog import live_gpu
+
+            profile = gpu_profile(live_gpu(int(text.partition(":")[2] or 0)))
+        else:
+            raise InvalidInputError(f"unknown device {device!r}: use cpu or cuda:N (e.g. cuda:0)")
+    elif gpu:
+        from batchfit.catalog import find_gpu, live_gpu
+
+        profile = gpu_profile(live_gpu(0) if gpu.strip().lower() == "auto" else find_gpu(gpu))
+    elif memory_bytes is not None:
+        profile = DeviceProfile.cpu()
+    elif need_budget:
+        raise InvalidInputError("give a budget: --gpu NAME, --memory SIZE (with --device cpu) "
+                                "or --device cuda:N")
+    else:
+        profile = DeviceProfile.cpu()
+    if overhead is not None:
+        if not profile.is_cuda:
+            raise InvalidInputError("--overhead sets the CUDA context size: use it with --gpu")
+        profile = profile.with_overheads(context_bytes=parse_size(overhead))
+    return profile, memory_bytes
+
+
+def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str, optimizer: str,
+           precision: str, checkpointing: bool, channels_last: bool,
+           model_kwargs: list[str] | None) -> tuple[Any, Any, Any]:
+    from batchfit.models import parse_model_kwargs, resolve_model
+    from batchfit.spec import TrainConfig
+
+    config = TrainConfig(
+        mode=parse_enum(Mode, mode, "mode"),
+        optimizer=parse_enum(OptimizerName, optimizer, "optimizer"),
+        precision=parse_enum(Precision, precision, "precision"),
+        checkpointing=checkpointing, channels_last=channels_last)
+    if seq_len is not None and seq_len < 1:
+        raise InvalidInputError(f"--seq-len must be a positive integer, not {seq_len}")
+    shape = parse_shape(input_shape) if input_shape is not None else None
+    spec = resolve_model(model, model_kwargs=parse_model_kwargs(model_kwargs or []),
+                         seq_len=seq_len, input_shape=shape)
+    if spec.input_spec is None:
+        raise InvalidInputError(
+            f"{model} has no default input: give --input (per-sample shape, e.g. 3x224x224)")
+    if spec.loss_fn is not None:
+        from dataclasses import replace
+
+        config = replace(config, loss_fn=spec.loss_fn)
+    return spec, spec.input_spec, config
+
+
+def _check_plot(path: str | None) -> None:
+    if path is not None:
+        from batchfit.plot import check_plot_path
+
+        check_plot_path(path)
+
+
+def _emit_json(data: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+@app.command("estimate")
+def estimate_cmd(
+    model: str = ModelArg,
+    batch_size: int = typer.Option(..., "--batch-size", "-b", help="the batch size"),
+    gpu: Optional[str] = GpuOpt, device: Optional[str] = DeviceOpt,
+    input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
+    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
+    checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
+    overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
+    as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
+) -> None:
+    """Predict the peak memory of one step at a batch size."""
+    with _errors(debug):
+        if batch_size < 1:
+            raise InvalidInputError(f"--batch-size must be a positive integer, not {batch_size}")
+        _check_plot(plot)
+        profile, _ = _resolve_device(gpu, device, None, overhead, need_budget=False)
+        with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
+            spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
+                                          checkpointing, channels_last, model_kwargs)
+            from batchfit.estimate import estimate
+
+            est = estimate(spec.factory, inputs, batch_size, config, device=profile)
+        if plot:
+            from batchfit.plot import plot_estimate
+
+            plot_estimate(est, plot)
+        if as_json:
+            _emit_json({"model": model, **est.to_dict()})
+            return
+        from batchfit.report import render_estimate
+
+        out.print(render_estimate(est))
+        if plot:
+            out.print(f"plot written to {plot}")
+
+
+@app.command("max")
+def max_cmd(
+    model: str = ModelArg,
+    gpu: Optional[str] = GpuOpt, device: Optional[str] = DeviceOpt,
+    memory: Optional[str] = typer.Option(None, "--memory", help="memory budget, e.g. 24GiB"),
+    input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
+    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
+    checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
+    margin: float = typer.Option(0.0, "--margin", help="fraction of memory kept free, e.g. 0.05"),
+    overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
+    max_limit: int = typer.Option(65536, "--max-batch-limit", help="largest batch considered"),
+    as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
+) -> None:
+    """The largest batch size that fits the GPU (or a memory budget)."""
+    with _errors(debug):
+        if not 0 <= margin < 1:
+            raise InvalidInputError(f"--margin {margin} must be a fraction in [0, 1), e.g. 0.05")
+        if max_limit < 1:
+            raise InvalidInputError("--max-batch-limit must be positive")
+        _check_plot(plot)
+        profile, memory_bytes = _resolve_device(gpu, device, memory, overhead, need_budget=True)
+        if not profile.is_cuda and memory_bytes is None:
+            raise InvalidInputError("--device cpu needs --memory SIZE as the budget")
+        with _progress(not as_json, f"resolving {model}...") as status:
+            spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
+                                          checkpointing, channels_last, model_kwargs)
+            from batchfit.maxbatch import max_batch_size
+
+            def on_trace(batch: int) -> None:
+                if status is not None:
+                    status.update(f"tracing {model} at batch {batch}...")
+
+            result = max_batch_size(spec.factory, inputs, config, device=profile,
+                                    memory_bytes=memory_bytes, margin=margin,
+                                    max_batch_limit=max_limit, on_trace=on_trace)
+        if plot:
+            from batchfit.plot import plot_max_batch
+
+            plot_max_batch(result, plot)
+        if as_json:
+            _emit_json({"model": model, **result.to_dict()})
+            return
+        from batchfit.report import render_max_batch
+
+        out.print(render_max_batch(result, model))
+        if plot:
+            out.print(f"plot written to {plot}")
+
+
+@app.command("gpus")
+def gpus_cmd(as_json: bool = JsonOpt, debug: bool = DebugOpt) -> None:
+    """List the GPU catalog."""
+    with _errors(debug):
+        from batchfit.catalog import list_gpus
+
+        gpus = list_gpus()
+        if as_json:
+            _emit_json({"gpus": [g.to_dict() for g in gpus]})
+            return
+        from batchfit.report import render_gpus
+
+        out.print(render_gpus(gpus))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

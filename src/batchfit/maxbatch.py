@@ -1,0 +1,250 @@
+"""``batchfit.max_batch_size``: the largest batch (or sequence length) that fits a budget.
+
+The budget is the device memory as CUDA sees it, minus the CUDA context and the
+library workspaces, minus an optional safety margin (0 by default: the traces
+already model the caching allocator's reserved memory). Each candidate batch is
+one fake trace; :mod:`batchfit.solve` picks the candidates and confirms the
+answer by tracing B* (fits) and B*+1 (does not).
+
+Non-memory limits: many CUDA kernels index with 32-bit integers and fail once a
+tensor exceeds 2**31 - 1 elements. The largest traced tensor at the answer is
+checked; when that limit binds before memory does, the answer is lowered to the
+largest batch that respects it and ``binding_constraint`` says so.
+
+Example:
+    >>> import torch, batchfit
+    >>> model = lambda: torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    >>> result = batchfit.max_batch_size(model, (256,), device="cpu", memory_bytes=64 * 2**20)
+    >>> result.max_batch_size > 1000
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Callable
+
+from batchfit.device import DeviceProfile, resolve_device
+from batchfit.errors import InvalidInputError
+from batchfit.estimate import MemoryEstimate, estimate
+from batchfit.solve import NothingFits, solve_max_batch, solve_max_seq_len
+from batchfit.spec import TensorSpec, TrainConfig, make_config
+
+#: The largest batch size the solver will report (tiny models fit absurd batches).
+DEFAULT_MAX_BATCH_LIMIT = 1 << 16
+#: Kernels with 32-bit indexing fail beyond this many elements in one tensor.
+INT32_ELEMENT_LIMIT = 2**31 - 1
+
+
+class Constraint(StrEnum):
+    MEMORY = "memory"
+    INT32_INDEXING = "int32_indexing"
+    LIMIT = "max_batch_limit"
+
+
+@dataclass(frozen=True)
+class MaxBatchResult:
+    """The largest batch size that fits, with the estimates at B* and B*+1.
+
+    Attributes:
+        max_batch_size: the answer.
+        budget_bytes: memory available to the allocator (memory - context - workspace - margin).
+        memory_bytes: the device memory the budget was derived from.
+        total_bytes_at_max: device bytes needed at the answer (incl. context).
+        total_bytes_at_next: device bytes needed one batch higher (None when capped).
+        traces: how many batch sizes were traced.
+        binding_constraint: what stops a larger batch (memory, int32 indexing, the cap).
+        estimate_at_max: the full estimate at the answer (breakdown, top modules).
+        evaluated: (batch size, allocator bytes) per trace, in order.
+    """
+
+    max_batch_size: int
+    budget_bytes: int
+    memory_bytes: int
+    margin: float
+    total_bytes_at_max: int
+    total_bytes_at_next: int | None
+    traces: int
+    binding_constraint: Constraint
+    estimate_at_max: MemoryEstimate
+    estimate_at_next: MemoryEstimate | None
+    evaluated: tuple[tuple[int, int], ...]
+    device: DeviceProfile
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        est = self.estimate_at_max
+        return {
+            "max_batch_size": self.max_batch_size,
+            "budget_bytes": self.budget_bytes,
+            "memory_bytes": self.memory_bytes,
+            "margin": self.margin,
+            "total_bytes_at_max": self.total_bytes_at_max,
+            "total_bytes_at_next": self.total_bytes_at_next,
+            "device": self.device.to_dict(),
+            "traces": self.traces,
+            "binding_constraint": self.binding_constraint.value,
+            "by_category": {c.value: b for c, b in est.by_category.items()},
+            "top_modules": [m.to_dict() for m in est.top_modules],
+            "peak_phase": est.peak_phase.value,
+            "explanation": est.explain(),
+            "evaluated": [list(pair) for pair in self.evaluated],
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class MaxSeqLenResult:
+    """The longest sequence length that fits at a fixed batch size."""
+
+    max_seq_len: int
+    batch_size: int
+    budget_bytes: int
+    total_bytes_at_max: int
+    total_bytes_at_next: int | None
+    traces: int
+    capped: bool
+    device: DeviceProfile
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_seq_len": self.max_seq_len, "batch_size": self.batch_size,
+            "budget_bytes": self.budget_bytes, "total_bytes_at_max": self.total_bytes_at_max,
+            "total_bytes_at_next": self.total_bytes_at_next, "traces": self.traces,
+            "capped": self.capped, "device": self.device.to_dict(),
+        }
+
+
+def _budget(profile: DeviceProfile, memory_bytes: int | None, margin: float) -> tuple[int, int]:
+    if not 0 <= margin < 1:
+        raise InvalidInputError(f"margin {margin} must be a fraction in [0, 1), e.g. 0.05")
+    memory = memory_bytes if memory_bytes is not None else profile.total_memory_bytes
+    if memory is None:
+        raise InvalidInputError(
+            "no memory budget for the CPU: give memory_bytes (--memory 16GiB) or a GPU")
+    overhead = profile.context_bytes + profile.workspace_bytes if profile.is_cuda else 0
+    budget = int(memory * (1 - margin)) - overhead
+    if budget <= 0:
+        raise NothingFits(overhead, int(memory * (1 - margin)), smallest=0)
+    return memory, budget
+
+
+def _allocator_bytes(est: MemoryEstimate) -> int:
+    """What the step needs from the budget: reserved memory less the fixed workspace."""
+    device = est.device
+    if device.is_cuda:
+        return est.peak_reserved_bytes - device.workspace_bytes
+    return est.peak_allocated_bytes
+
+
+def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *,
+                   device: DeviceProfile | str | None = None, memory_bytes: int | None = None,
+                   margin: float = 0.0, max_batch_limit: int = DEFAULT_MAX_BATCH_LIMIT,
+                   on_trace: Callable[[int], None] | None = None, **options: Any) -> MaxBatchResult:
+    """The largest batch size whose step fits the device.
+
+    Args:
+        model: an ``nn.Module`` or a factory (see :func:`batchfit.estimate`).
+        inputs: the per-sample input spec.
+        config: a :class:`TrainConfig`, or its fields as ``options``.
+        device: ``"cpu"``, a catalog GPU name, or a :class:`DeviceProfile`.
+        memory_bytes: overrides the device's memory (required for the CPU).
+        margin: a fraction of memory kept free on top of the model (default 0).
+        max_batch_limit: the largest answer reported; ``binding_constraint`` says when it binds.
+        on_trace: called with each batch size before it is traced (progress display).
+
+    Raises:
+        NothingFits: batch 1 does not fit (``needed_bytes`` vs ``budget_bytes``).
+    """
+    config = make_config(config, options)
+    profile = resolve_device(device)
+    memory, budget = _budget(profile, memory_bytes, margin)
+    estimates: dict[int, MemoryEstimate] = {}
+
+    def peak(batch_size: int) -> int:
+        if on_trace is not None:
+            on_trace(batch_size)
+        est = estimate(model, inputs, batch_size, config, device=profile)
+        estimates[batch_size] = est
+        return _allocator_bytes(est)
+
+    solved = solve_max_batch(peak, budget, max_batch_limit=max_batch_limit)
+    answer = solved.max_batch_size
+    constraint = Constraint.LIMIT if solved.capped else Constraint.MEMORY
+    note = (f"capped at max_batch_limit={max_batch_limit}; more may fit" if solved.capped else "")
+    if profile.is_cuda:
+        numel = estimates[answer].largest_tensor[0]
+        if numel > INT32_ELEMENT_LIMIT:
+            answer = _int32_safe_batch(answer, estimates, peak)
+            constraint = Constraint.INT32_INDEXING
+            numel_at, op, module = estimates[answer + 1].largest_tensor
+            note = (f"batch {answer + 1} makes a tensor of {numel_at:,} elements "
+                    f"(> 2**31-1) in {module or '<root>'} ({op}); many CUDA kernels fail there")
+    at_next = estimates.get(answer + 1)
+    return MaxBatchResult(
+        max_batch_size=answer, budget_bytes=budget, memory_bytes=memory, margin=margin,
+        total_bytes_at_max=estimates[answer].total_bytes,
+        total_bytes_at_next=at_next.total_bytes if at_next else None,
+        traces=len(estimates), binding_constraint=constraint,
+        estimate_at_max=estimates[answer], estimate_at_next=at_next,
+        evaluated=tuple((b, _allocator_bytes(e)) for b, e in estimates.items()),
+        device=profile, note=note)
+
+
+def _int32_safe_batch(answer: int, estimates: dict[int, MemoryEstimate],
+                      peak: Callable[[int], int]) -> int:
+    """Largest batch whose largest tensor stays within 32-bit indexing (elements ~ linear in B)."""
+    numel = estimates[answer].largest_tensor[0]
+    guess = max(1, INT32_ELEMENT_LIMIT * answer // numel)
+    while True:  # confirm the boundary by tracing, as for memory
+        for b in (guess, guess + 1):
+            if b not in estimates:
+                peak(b)
+        if estimates[guess].largest_tensor[0] > INT32_ELEMENT_LIMIT and guess > 1:
+            guess -= 1
+        elif estimates[guess + 1].largest_tensor[0] <= INT32_ELEMENT_LIMIT:
+            guess += 1
+        else:
+            return guess
+
+
+def max_seq_len(model: Any, inputs: Any, batch_size: int, config: TrainConfig | None = None, *,
+                device: DeviceProfile | str | None = None, memory_bytes: int | None = None,
+                margin: float = 0.0, max_len: int = 131072, multiple_of: int = 1,
+                on_trace: Callable[[int], None] | None = None, **options: Any) -> MaxSeqLenResult:
+    """The longest sequence length that fits at ``batch_size`` (token models).
+
+    Every integer input of ``inputs`` with a sequence axis (its first per-sample
+    dimension) gets the candidate length.
+    """
+    config = make_config(config, options)
+    profile = resolve_device(device)
+    _, budget = _budget(profile, memory_bytes, margin)
+    totals: dict[int, MemoryEstimate] = {}
+
+    def peak(seq_len: int) -> int:
+        if on_trace is not None:
+            on_trace(seq_len)
+        est = estimate(model, with_seq_len(inputs, seq_len), batch_size, config, device=profile)
+        totals[seq_len] = est
+        return _allocator_bytes(est)
+
+    solved = solve_max_seq_len(peak, budget, max_len=max_len, multiple_of=multiple_of)
+    at_next = solved.max_seq_len + multiple_of
+    return MaxSeqLenResult(
+        max_seq_len=solved.max_seq_len, batch_size=batch_size, budget_bytes=budget,
+        total_bytes_at_max=totals[solved.max_seq_len].total_bytes,
+        total_bytes_at_next=totals[at_next].total_bytes if at_next in totals else None,
+        traces=len(totals), capped=solved.capped, device=profile)
+
+
+def with_seq_len(inputs: Any, seq_len: int) -> Any:
+    """``inputs`` with every sequence-shaped tensor spec set to ``seq_len``."""
+    if isinstance(inputs, TensorSpec):
+        return inputs.with_seq_len(seq_len) if inputs.shape else inputs
+    if isinstance(inputs, dict):
+        return {k: with_seq_len(v, seq_len) for k, v in inputs.items()}
+    if isinstance(inputs, tuple):
+        return tuple(with_seq_len(v, seq_len) for v in inputs)
+    raise InvalidInputError("the sequence length axis needs TensorSpec inputs")
