@@ -21,8 +21,8 @@ from batchfit.spec import Mode, OptimizerName, Precision, TensorSpec, TrainConfi
 __version__ = "0.1.0"
 
 _LAZY = {
-    "estimate": "batchfit.estimate",
-    "MemoryEstimate": "batchfit.estimate",
+    "estimate": "batchfit.predict",
+    "MemoryEstimate": "batchfit.predict",
     "Category": "batchfit.trace",
     "Phase": "batchfit.trace",
     "DeviceProfile": "batchfit.device",

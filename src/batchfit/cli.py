@@ -167,7 +167,7 @@ def estimate_cmd(
         with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                           checkpointing, channels_last, model_kwargs)
-            from batchfit.estimate import estimate
+            from batchfit.predict import estimate
 
             est = estimate(spec.factory, inputs, batch_size, config, device=profile)
         if plot:

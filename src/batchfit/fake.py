@@ -90,7 +90,9 @@ def _meta_stub(tensor: torch.Tensor) -> torch.Tensor:
 
 def enable_checkpointing(model: nn.Module) -> None:
     """Turn on the model's own activation checkpointing (timm or Hugging Face)."""
-    if hasattr(model, "gradient_checkpointing_enable"):
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif hasattr(model, "set_grad_checkpointing"):
         model.set_grad_checkpointing(True)

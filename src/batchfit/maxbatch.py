@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from batchfit.device import DeviceProfile, resolve_device
 from batchfit.errors import InvalidInputError
-from batchfit.estimate import MemoryEstimate, estimate
+from batchfit.predict import MemoryEstimate, estimate
 from batchfit.solve import NothingFits, solve_max_batch, solve_max_seq_len
 from batchfit.spec import TensorSpec, TrainConfig, make_config
 

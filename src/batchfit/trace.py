@@ -17,6 +17,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
@@ -214,11 +215,11 @@ class Tracer:
 
     def _post_hook(self, path: str):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self.failed_op is not None:
-                return  # keep the stack as it was at the failure, for the error message
+            if sys.exc_info()[0] is not None and self.failed_module is None:
+                self.failed_module = path  # always_call hooks run while the error propagates
             if self._module_stack and self._module_stack[-1] == path:
                 self._module_stack.pop()
-            if torch.is_grad_enabled() and self.phase is not Phase.BACKWARD:
+            if torch.is_grad_enabled() and self.phase is not Phase.BACKWARD and output is not None:
                 ti.tag_graph(output, path)
         return hook
 

@@ -1,0 +1,211 @@
+"""The engine against hand-derived byte counts and the measured ResNet-50 points of DESIGN.md."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from torch import nn
+
+import batchfit
+from batchfit import Category, TensorSpec, TrainConfig
+from batchfit.errors import (
+    InputShapeError,
+    InvalidInputError,
+    ModelForwardError,
+    UntraceableError,
+)
+
+KIB = 1024
+MIB = 1 << 20
+
+
+def linear_relu():
+    return nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.ReLU())
+
+
+def test_inference_peak_by_hand():
+    # weight 1024*1024*4 = 4 MiB; input 64*1024*4 = 256 KiB; output 256 KiB; nothing else lives.
+    est = batchfit.estimate(lambda: nn.Linear(1024, 1024, bias=False), (1024,), 64, mode="infer")
+    assert est.peak_allocated_bytes == 4 * MIB + 256 * KIB + 256 * KIB
+
+
+def test_training_peak_by_hand():
+    # Steady step of Linear(1024->1024, no bias) + ReLU, loss = sum, plain SGD (no state):
+    #   baseline: W 4 MiB, X 256 KiB
+    #   forward: Y = X W^T (256 KiB) dies after ReLU; R = relu(Y) (256 KiB) saved; loss 4 B
+    #   backward: ones 4 B; G = threshold_backward(ones, R) 256 KiB; R freed;
+    #             dW = G^T X (4 MiB) while W, X, G, loss and ones live -> the peak
+    #   SGD without momentum updates in place.
+    peak = 4 * MIB + 256 * KIB + 256 * KIB + 4 * MIB + 4 + 4
+    est = batchfit.estimate(linear_relu, (1024,), 64, optimizer="sgd",
+                            loss_fn=lambda out, batch: out.sum())
+    assert abs(est.peak_allocated_bytes - peak) <= 8
+    assert est.peak_phase is batchfit.Phase.BACKWARD
+    assert est.by_category[Category.PARAMETERS] == 4 * MIB
+    assert est.by_category[Category.INPUTS] == 256 * KIB
+
+
+def test_adam_state_is_traced():
+    # Adam keeps exp_avg and exp_avg_sq (4 MiB each) and a float32 step scalar per parameter.
+    est = batchfit.estimate(linear_relu, (1024,), 8, optimizer="adam",
+                            loss_fn=lambda out, batch: out.sum())
+    assert est.by_category[Category.OPTIMIZER_STATE] == 2 * 4 * MIB + 4
+
+
+def test_sgd_momentum_state_and_frozen_parameters():
+    # First layer frozen: no gradient and no momentum buffer for it.
+    def model():
+        m = nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 256, bias=False))
+        m[0].weight.requires_grad_(False)
+        return m
+
+    est = batchfit.estimate(model, (512,), 4, optimizer="momentum",
+                            loss_fn=lambda out, batch: out.sum())
+    trainable = 512 * 256 * 4
+    assert est.trainable_parameter_count == 512 * 256
+    assert est.by_category[Category.OPTIMIZER_STATE] == trainable
+    assert est.by_category.get(Category.GRADIENTS, trainable) == trainable
+
+
+def test_first_step_differs_from_steady_state():
+    # At B=4096 the backward peak (W 4 + X 16 + R 16 + G 16 + dW 4 MiB) tops the optimizer
+    # step in both steps; the steady step also carries Adam's state (2 x 4 MiB + 4 B step)
+    # through backward, the first step does not have it yet.
+    est = batchfit.estimate(linear_relu, (1024,), 4096, optimizer="adam",
+                            loss_fn=lambda out, batch: out.sum())
+    assert est.peak_phase is batchfit.Phase.BACKWARD
+    assert est.total_bytes - est.first_step_peak_bytes == 8 * MIB + 4
+
+
+@pytest.mark.parametrize("batch_size,measured_mib", [(16, 1635), (64, 5593)])
+def test_resnet50_matches_measured_points(batch_size, measured_mib):
+    # DESIGN.md §3: live-storage tracker on real ResNet-50 + AdamW (fp32, CPU).
+    timm = pytest.importorskip("timm")
+    est = batchfit.estimate(lambda: timm.create_model("resnet50"), (3, 224, 224), batch_size,
+                            optimizer="adamw")
+    assert est.peak_allocated_bytes / MIB == pytest.approx(measured_mib, rel=0.02)
+
+
+def _digest(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in list(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().numpy().tobytes())
+    for p in model.parameters():
+        h.update(bytes([p.requires_grad]))
+    h.update(bytes([model.training]))
+    return h.hexdigest()
+
+
+def test_estimate_never_changes_the_model_or_global_state():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 30 * 30, 10))
+    model[0].weight.requires_grad_(False)
+    model.eval()
+    before = _digest(model)
+    rng = torch.get_rng_state()
+    dtype = torch.get_default_dtype()
+    grad = torch.is_grad_enabled()
+    batchfit.estimate(model, (3, 32, 32), 4, optimizer="adamw", precision="amp-bf16")
+    batchfit.estimate(model, (3, 32, 32), 4, precision="bf16")
+    assert _digest(model) == before
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.get_default_dtype() == dtype and torch.is_grad_enabled() == grad
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_pure_bf16_halves_weights():
+    est32 = batchfit.estimate(linear_relu, (1024,), 8, optimizer="sgd")
+    est16 = batchfit.estimate(linear_relu, (1024,), 8, optimizer="sgd", precision="bf16")
+    assert est16.by_category[Category.PARAMETERS] * 2 == est32.by_category[Category.PARAMETERS]
+
+
+def test_dict_inputs_and_token_ids():
+    class Tok(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(100, 16)
+            self.head = nn.Linear(16, 100)
+
+        def forward(self, input_ids, mask):
+            return self.head(self.emb(input_ids) * mask.unsqueeze(-1)).mean(1)
+
+    spec = {"input_ids": TensorSpec((12,), "int64", high=100), "mask": TensorSpec((12,))}
+    est = batchfit.estimate(Tok, spec, 4)
+    # int64 ids 4*12*8 = 384 B plus float mask 4*12*4 = 192 B
+    assert est.by_category[Category.INPUTS] == 384 + 192
+
+
+def test_checkpointing_lowers_activation_memory():
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2():
+        cfg = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=1000,
+                                      n_positions=256)
+        return transformers.GPT2LMHeadModel(cfg)
+
+    spec = {"input_ids": TensorSpec((256,), "int64", high=1000),
+            "labels": TensorSpec((256,), "int64", high=1000)}
+    plain = batchfit.estimate(gpt2, spec, 8)
+    ckpt = batchfit.estimate(gpt2, spec, 8, checkpointing=True)
+    assert ckpt.total_bytes < plain.total_bytes
+
+
+# -- bad input -----------------------------------------------------------------------
+
+
+def test_wrong_input_shape_names_expected_shape():
+    with pytest.raises(InputShapeError, match=r"\(3, H, W\)") as info:
+        batchfit.estimate(lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()), (1, 32, 32), 2)
+    assert info.value.module == "0"
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_unknown_optimizer_and_precision():
+    with pytest.raises(InvalidInputError, match="unknown optimizer 'adamx'.*adamw"):
+        batchfit.estimate(linear_relu, (1024,), 2, optimizer="adamx")
+    with pytest.raises(InvalidInputError, match="unknown precision 'fp8'"):
+        batchfit.estimate(linear_relu, (1024,), 2, precision="fp8")
+
+
+def test_forward_that_raises_names_the_module():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x):
+            raise KeyError("boom")
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Broken()
+
+        def forward(self, x):
+            return self.block(x)
+
+    with pytest.raises(ModelForwardError, match="module 'block'.*boom"):
+        batchfit.estimate(Outer, (4,), 2)
+
+
+def test_data_dependent_op_is_untraceable():
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y[y > 0].sum() if y.sum().item() > 0 else y.sum()
+
+    with pytest.raises(UntraceableError, match="data-dependent"):
+        batchfit.estimate(Gate, (8,), 2)
+
+
+def test_bad_batch_size():
+    with pytest.raises(InvalidInputError, match="batch size"):
+        batchfit.estimate(linear_relu, (1024,), 0)
