@@ -1,0 +1,153 @@
+"""The CLI contract: JSON keys, exit codes, and one clear line for each bad input."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from batchfit.cli import app
+
+runner = CliRunner()
+MIB = 1 << 20
+
+
+@pytest.fixture()
+def factory_file(tmp_path):
+    path = tmp_path / "mlp.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        from batchfit import TensorSpec
+
+        def mlp(width: int = 256):
+            return nn.Sequential(nn.Linear(128, width), nn.ReLU(), nn.Linear(width, 10))
+
+        def with_spec():
+            return mlp(), TensorSpec((128,))
+
+        def broken():
+            raise RuntimeError("cannot build this")
+    """))
+    return path
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_estimate_json_contract(factory_file):
+    result = invoke("estimate", f"{factory_file}:mlp", "--batch-size", "32", "--input", "128",
+                    "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    for key in ("batch_size", "peak_allocated_bytes", "peak_reserved_bytes", "total_bytes",
+                "by_category", "top_modules", "peak_phase"):
+        assert key in data
+    assert data["batch_size"] == 32
+    # params (128*256+256 + 256*10+10)*4 = 142,376 bytes
+    assert data["by_category"]["parameters"] == 142_376
+
+
+def test_estimate_human_output_explains(factory_file):
+    result = invoke("estimate", f"{factory_file}:with_spec", "-b", "8")
+    assert result.exit_code == 0, result.output
+    assert "Where the memory goes" in result.stdout
+    assert "dominate" in result.stdout
+
+
+def test_max_json_contract_and_exactness(factory_file):
+    result = invoke("max", f"{factory_file}:with_spec", "--device", "cpu", "--memory", "8MiB",
+                    "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    for key in ("max_batch_size", "budget_bytes", "total_bytes_at_max", "total_bytes_at_next",
+                "device", "traces", "by_category", "binding_constraint"):
+        assert key in data
+    assert data["budget_bytes"] == 8 * MIB
+    assert data["total_bytes_at_max"] <= 8 * MIB < data["total_bytes_at_next"]
+
+
+def test_gpus_json():
+    result = invoke("gpus", "--json")
+    assert result.exit_code == 0
+    names = {g["name"] for g in json.loads(result.stdout)["gpus"]}
+    assert len(names) >= 30
+
+
+def test_max_on_a_named_gpu(factory_file):
+    result = invoke("max", f"{factory_file}:with_spec", "--gpu", "T4", "--json",
+                    "--max-batch-limit", "4096")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["max_batch_size"] == 4096 and data["binding_constraint"] == "max_batch_limit"
+
+
+def test_plot_is_written(factory_file, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "m.png"
+    result = invoke("max", f"{factory_file}:with_spec", "--device", "cpu", "--memory", "4MiB",
+                    "--plot", str(png))
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nothing_fits_exits_3(factory_file):
+    result = invoke("max", f"{factory_file}:with_spec", "--device", "cpu", "--memory", "100KiB")
+    assert result.exit_code == 3
+    assert "budget" in result.output
+
+
+BAD = [
+    # (arguments, exit code, a piece of the one-line message)
+    (["max", "timm:resnet18", "--gpu", "RTX 3009"], 2, "did you mean 'RTX 3090'"),
+    (["max", "timm:resnet18", "--device", "cpu", "--memory", "24 parsecs"], 2, "malformed size"),
+    (["max", "timm:resnet18", "--device", "cpu", "--memory", "-3GiB"], 2, "malformed size"),
+    (["estimate", "timm:resnet18", "-b", "2", "--input", "3xfoo"], 2, "malformed shape"),
+    (["estimate", "timm:resnet18", "-b", "2", "--input", "3x0x224"], 2, "malformed shape"),
+    (["estimate", "timm:resnet5", "-b", "2"], 2, "resnet50"),
+    (["estimate", "torchvision:resnet500", "-b", "2"], 2, "unknown torchvision model"),
+    (["estimate", "hf:gpt-9000", "-b", "2"], 2, "hf:path/to/dir"),
+    (["estimate", "nowhere/model.py:build", "-b", "2"], 2, "not found"),
+    (["estimate", "{factory}:missing", "-b", "2"], 2, "missing"),
+    (["estimate", "{factory}:broken", "-b", "2", "--input", "128"], 2, "cannot build this"),
+    (["estimate", "timm:resnet18", "-b", "-4"], 2, "--batch-size"),
+    (["estimate", "timm:resnet18", "-b", "0"], 2, "--batch-size"),
+    (["max", "timm:resnet18", "--gpu", "T4", "--memory", "16GiB"], 2, "conflict"),
+    (["max", "timm:resnet18", "--gpu", "T4", "--device", "cpu"], 2, "not both"),
+    (["estimate", "timm:resnet18", "-b", "2", "--optimizer", "adamx"], 2, "unknown optimizer"),
+    (["estimate", "timm:resnet18", "-b", "2", "--precision", "fp8"], 2, "unknown precision"),
+    (["estimate", "timm:resnet18", "-b", "2", "--mode", "eval"], 2, "unknown mode"),
+    (["max", "timm:resnet18"], 2, "give a budget"),
+    (["max", "timm:resnet18", "--device", "cpu"], 2, "--memory"),
+    (["max", "timm:resnet18", "--gpu", "T4", "--margin", "1.5"], 2, "margin"),
+    (["estimate", "timm:resnet18", "-b", "2", "--device", "tpu"], 2, "unknown device"),
+    (["estimate", "timm:resnet18", "-b", "2", "--device", "cuda:3"], 2, "CUDA"),
+    (["estimate", "timm:resnet18", "-b", "2", "--plot", "out.jpg"], 2, ".png"),
+    (["estimate", "timm:resnet18", "-b", "2", "--overhead", "1GiB"], 2, "--gpu"),
+    (["estimate", "timm:resnet18", "-b", "2", "--input", "1x64x64"], 2, "(3, H, W)"),
+    (["estimate", "{factory}:mlp", "-b", "2"], 2, "--input"),
+    (["estimate", "resnet50x", "-b", "2"], 2, "unknown model"),
+    (["estimate", "timm:resnet18", "-b", "2", "--seq-len", "0"], 2, "seq"),
+    (["estimate", "timm:resnet18", "-b", "2", "--model-kwargs", "oops"], 2, "key=value"),
+]
+
+
+@pytest.mark.parametrize("args,code,fragment", BAD, ids=[" ".join(a[:3]) + f"-{i}"
+                                                          for i, (a, _, _) in enumerate(BAD)])
+def test_bad_input_gets_one_clear_line(args, code, fragment, factory_file):
+    args = [a.replace("{factory}", str(factory_file)) for a in args]
+    result = invoke(*args)
+    assert result.exit_code == code, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    assert fragment.lower() in result.output.lower().replace("\n", " "), result.output
+
+
+def test_debug_shows_the_traceback():
+    result = invoke("max", "timm:resnet18", "--gpu", "RTX 3009", "--debug")
+    assert result.exit_code != 0
+    assert result.exception is not None
