@@ -18,7 +18,7 @@ user can override:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -98,10 +98,13 @@ class DeviceProfile:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.pop("extra")
-        data["kind"] = self.kind.value
-        return data
+        return {
+            "kind": self.kind.value, "name": self.name,
+            "total_memory_bytes": self.total_memory_bytes,
+            "compute_capability": list(self.compute_capability) if self.compute_capability else None,
+            "context_bytes": self.context_bytes, "workspace_bytes": self.workspace_bytes,
+            "sm_count": self.sm_count,
+        }
 
 
 def resolve_device(device: "DeviceProfile | str | None") -> DeviceProfile:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 from batchfit.device import DeviceProfile, resolve_device
 from batchfit.errors import InvalidInputError
 from batchfit.predict import MemoryEstimate, estimate
+from batchfit.trace import TraceReuse
 from batchfit.solve import NothingFits, solve_max_batch, solve_max_seq_len
 from batchfit.spec import TensorSpec, TrainConfig, make_config
 
@@ -161,11 +162,12 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
     profile = resolve_device(device)
     memory, budget = _budget(profile, memory_bytes, margin)
     estimates: dict[int, MemoryEstimate] = {}
+    reuse = TraceReuse()
 
     def peak(batch_size: int) -> int:
         if on_trace is not None:
             on_trace(batch_size)
-        est = estimate(model, inputs, batch_size, config, device=profile)
+        est = estimate(model, inputs, batch_size, config, device=profile, reuse=reuse)
         estimates[batch_size] = est
         return _allocator_bytes(est)
 
@@ -222,11 +224,13 @@ def max_seq_len(model: Any, inputs: Any, batch_size: int, config: TrainConfig | 
     profile = resolve_device(device)
     _, budget = _budget(profile, memory_bytes, margin)
     totals: dict[int, MemoryEstimate] = {}
+    reuse = TraceReuse()
 
     def peak(seq_len: int) -> int:
         if on_trace is not None:
             on_trace(seq_len)
-        est = estimate(model, with_seq_len(inputs, seq_len), batch_size, config, device=profile)
+        est = estimate(model, with_seq_len(inputs, seq_len), batch_size, config, device=profile,
+                       reuse=reuse)
         totals[seq_len] = est
         return _allocator_bytes(est)
 

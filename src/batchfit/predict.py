@@ -18,7 +18,7 @@ from torch import nn
 from batchfit.device import DeviceProfile, resolve_device
 from batchfit.spec import TrainConfig, make_config
 from batchfit.timeline import ModuleMemory, Timeline, replay_events
-from batchfit.trace import Category, Phase, StepTrace, trace_step
+from batchfit.trace import Category, Phase, StepTrace, TraceReuse, trace_step
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class MemoryEstimate:
 
 def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size: int,
              config: TrainConfig | None = None, *, device: DeviceProfile | str | None = None,
-             **options: Any) -> MemoryEstimate:
+             reuse: TraceReuse | None = None, **options: Any) -> MemoryEstimate:
     """Predict the peak memory of one step of ``model`` at ``batch_size``, on fake tensors.
 
     Args:
@@ -106,6 +106,9 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
         config: a :class:`~batchfit.spec.TrainConfig`; or give its fields as ``options``
             (``mode``, ``optimizer``, ``precision``, ``checkpointing``, ...).
         device: ``"cpu"`` (default), a catalog GPU name, or a :class:`DeviceProfile`.
+        reuse: a :class:`~batchfit.trace.TraceReuse` shared by estimates of the same
+            model, config and device at other batch sizes (builds the model once and
+            traces the optimizer step once).
 
     Returns:
         A :class:`MemoryEstimate`.
@@ -118,7 +121,7 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
     """
     config = make_config(config, options)
     profile = resolve_device(device)
-    trace = trace_step(model, inputs, batch_size, config, profile)
+    trace = trace_step(model, inputs, batch_size, config, profile, reuse)
     return summarize(trace, profile)
 
 

@@ -17,6 +17,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import itertools
 import sys
 import warnings
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ _CREATED_AS = {
     Phase.OPTIMIZER: Category.TEMPORARIES,
 }
 _TO_COPY = torch.ops.aten._to_copy.default
+_UIDS = itertools.count()  # storage ids, unique across traces so traces can be spliced
 _CUSTOM_NAMESPACES_OK = {"aten", "prims", "_c10d_functional", "c10d_functional"}
 
 
@@ -98,7 +100,6 @@ class Tracer:
         # storage address -> [nbytes, category, module, weakref, uid]; addresses are reused
         # after a free, so events carry a unique id instead
         self._live: dict[int, list[Any]] = {}
-        self._next_uid = 0
         self._module_stack: list[str] = []
         self._recording = False
         self.failed_op: str | None = None
@@ -154,8 +155,7 @@ class Tracer:
 
     def _add(self, key: int, storage: Any, category: Category, module: str, op: str) -> None:
         nbytes = storage.nbytes()
-        uid = self._next_uid
-        self._next_uid += 1
+        uid = next(_UIDS)
 
         def on_free() -> None:
             entry = self._live.pop(key, None)
@@ -305,7 +305,41 @@ def _translate_error(exc: BaseException, tracer: Tracer, model: nn.Module, phase
         module, op)
 
 
-def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: Any) -> StepTrace:
+class TraceReuse:
+    """What repeated traces of one model and config (at other batch sizes) can share.
+
+    The model is built on meta once, and the optimizer phase, whose events do not
+    depend on the batch size, is traced once and spliced into later traces.
+    Use one instance per (model, config, device).
+    """
+
+    def __init__(self) -> None:
+        self.meta_model: nn.Module | None = None
+        self.optimizer_first: tuple[Event, ...] | None = None  # creates the state
+        self.optimizer_steady: tuple[Event, ...] | None = None
+
+
+def _meta_model(model: Any, reuse: TraceReuse | None) -> Any:
+    """The model to copy from: the user's module, or the factory's output built once."""
+    from batchfit.errors import ModelSpecError
+
+    if reuse is None or isinstance(model, nn.Module):
+        return model
+    if reuse.meta_model is None:
+        try:
+            with torch.device("meta"):
+                built = model()
+        except Exception as exc:  # noqa: BLE001
+            raise ModelSpecError(f"the model factory raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(built, nn.Module):
+            raise ModelSpecError(
+                f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
+        reuse.meta_model = built
+    return reuse.meta_model
+
+
+def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: Any,
+               reuse: TraceReuse | None = None) -> StepTrace:
     """Trace one step of ``model`` at ``batch_size`` on fake tensors.
 
     Args:
@@ -314,6 +348,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         batch_size: the batch size.
         config: a :class:`batchfit.spec.TrainConfig`.
         device: a :class:`batchfit.device.DeviceProfile`.
+        reuse: share work between traces of the same model at other batch sizes.
     """
     import contextlib
 
@@ -330,7 +365,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
     training = config.mode is Mode.TRAIN
     fake_mode = ti.new_fake_mode()
     with ti.preserved_global_state():
-        twin = fake_copy(model, fake_mode, float_dtype=float_dtype,
+        twin = fake_copy(_meta_model(model, reuse), fake_mode, float_dtype=float_dtype,
                          channels_last=config.channels_last)
         if config.checkpointing and training:
             enable_checkpointing(twin)
@@ -377,13 +412,8 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                 if training:
                     runner.forward_backward()
                     marks.append(len(tracer.events))
-                    runner.optimizer_step()
-                    for state in runner.optimizer.state.values():
-                        for value in state.values():
-                            if isinstance(value, torch.Tensor):
-                                tracer.retag(value, Category.OPTIMIZER_STATE)
-                    marks.append(len(tracer.events))
-                    runner.optimizer_step()
+                    if reuse is None or reuse.optimizer_first is None:
+                        _trace_optimizer(runner, tracer, marks)
                 else:
                     runner.infer_step()
                 end = len(tracer.events)
@@ -396,10 +426,17 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                 hook.remove()
     events = tracer.events
     if training:
-        fwd_bwd_end, first_end = marks
-        first = tuple(events[:first_end])
-        steady = (tuple(events[:setup_end]) + _surviving_allocs(events[fwd_bwd_end:first_end])
-                  + tuple(events[setup_end:fwd_bwd_end]) + tuple(events[first_end:end]))
+        fwd_bwd_end = marks[0]
+        if reuse is not None and reuse.optimizer_first is not None:
+            opt_first, opt_steady = reuse.optimizer_first, reuse.optimizer_steady
+        else:
+            opt_first = tuple(events[fwd_bwd_end:marks[1]])
+            opt_steady = tuple(events[marks[1]:end])
+            if reuse is not None:
+                reuse.optimizer_first, reuse.optimizer_steady = opt_first, opt_steady
+        first = tuple(events[:fwd_bwd_end]) + opt_first
+        steady = (tuple(events[:setup_end]) + _surviving_allocs(opt_first)
+                  + tuple(events[setup_end:fwd_bwd_end]) + opt_steady)
     else:
         first = steady = tuple(events[:end])
     return StepTrace(
@@ -408,6 +445,17 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         parameter_count=sum(p.numel() for p in params),
         trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad),
         largest_tensor=tracer.largest)
+
+
+def _trace_optimizer(runner: Any, tracer: Tracer, marks: list[int]) -> None:
+    """The first optimizer step (creates the state), then a steady one."""
+    runner.optimizer_step()
+    for state in runner.optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                tracer.retag(value, Category.OPTIMIZER_STATE)
+    marks.append(len(tracer.events))
+    runner.optimizer_step()
 
 
 def _surviving_allocs(events: list[Event]) -> tuple[Event, ...]:
