@@ -47,6 +47,15 @@ def test_training_peak_by_hand():
     assert est.by_category[Category.INPUTS] == 256 * KIB
 
 
+def test_gradients_zeroed_in_place_stay_allocated():
+    # zero_grad(set_to_none=False): last step's dW (4 MiB) is still allocated when the
+    # new dW is computed, before AccumulateGrad adds it in place: the hand peak above + 4 MiB.
+    peak = 4 * MIB + 256 * KIB + 256 * KIB + 4 * MIB + 4 + 4 + 4 * MIB
+    est = batchfit.estimate(linear_relu, (1024,), 64, optimizer="sgd", grads_to_none=False,
+                            loss_fn=lambda out, batch: out.sum())
+    assert abs(est.peak_allocated_bytes - peak) <= 8
+
+
 def test_adam_state_is_traced():
     # Adam keeps exp_avg and exp_avg_sq (4 MiB each) and a float32 step scalar per parameter.
     est = batchfit.estimate(linear_relu, (1024,), 8, optimizer="adam",

@@ -194,6 +194,9 @@ class TrainConfig:
             (timm ``set_grad_checkpointing``, HF ``gradient_checkpointing_enable``).
         channels_last: use ``torch.channels_last`` for 4-D inputs and the model.
         loss_fn: ``loss_fn(output, batch) -> scalar``; default rules in :mod:`batchfit.step`.
+        grads_to_none: ``zero_grad(set_to_none=True)`` (torch >= 2.0 default). False models
+            loops that zero gradients in place (torch < 2.0 ``zero_grad()``, HF Trainer of
+            that era): gradients then stay allocated through forward and backward.
     """
 
     mode: Mode | str = Mode.TRAIN
@@ -203,6 +206,7 @@ class TrainConfig:
     checkpointing: bool = False
     channels_last: bool = False
     loss_fn: Any = None
+    grads_to_none: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", parse_enum(Mode, self.mode, "mode"))

@@ -6,7 +6,7 @@ check always describe the same step.
 
 Training step (steady state)::
 
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)  # or in place: TrainConfig.grads_to_none=False
     with autocast:                       # amp-fp16 / amp-bf16 only
         output = model(*args, **kwargs)
         loss = loss_fn(output, batch)
@@ -264,7 +264,7 @@ class StepRunner:
 
     def zero_grad(self) -> None:
         self.on_phase("zero_grad")
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.config.grads_to_none)
 
     def forward_backward(self) -> None:
         loss = self.forward_loss()

@@ -22,7 +22,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -409,7 +409,13 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         emulation_ctx = emulation if emulation is not None else contextlib.nullcontext()
         try:
             with fake_mode, emulation_ctx, tracer:
-                if training:
+                if training and not config.grads_to_none:
+                    # gradients survive into the next step: trace two whole steps
+                    runner.forward_backward()
+                    runner.optimizer_step()
+                    marks.append(len(tracer.events))
+                    runner.train_step()
+                elif training:
                     runner.forward_backward()
                     marks.append(len(tracer.events))
                     if reuse is None or reuse.optimizer_first is None:
@@ -425,7 +431,10 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             for hook in grad_hooks:
                 hook.remove()
     events = tracer.events
-    if training:
+    if training and not config.grads_to_none:
+        first = tuple(events[:marks[0]])
+        steady = _alive_at_end(first) + tuple(events[marks[0]:end])
+    elif training:
         fwd_bwd_end = marks[0]
         if reuse is not None and reuse.optimizer_first is not None:
             opt_first, opt_steady = reuse.optimizer_first, reuse.optimizer_steady
@@ -435,7 +444,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             if reuse is not None:
                 reuse.optimizer_first, reuse.optimizer_steady = opt_first, opt_steady
         first = tuple(events[:fwd_bwd_end]) + opt_first
-        steady = (tuple(events[:setup_end]) + _surviving_allocs(opt_first)
+        steady = (tuple(events[:setup_end]) + _alive_at_end(opt_first)
                   + tuple(events[setup_end:fwd_bwd_end]) + opt_steady)
     else:
         first = steady = tuple(events[:end])
@@ -458,13 +467,17 @@ def _trace_optimizer(runner: Any, tracer: Tracer, marks: list[int]) -> None:
     runner.optimizer_step()
 
 
-def _surviving_allocs(events: list[Event]) -> tuple[Event, ...]:
-    """Allocations in ``events`` that are still alive at the end, as optimizer state."""
+def _alive_at_end(events: Sequence[Event]) -> tuple[Event, ...]:
+    """Allocations in ``events`` still alive at the end, with their latest category."""
     alive: dict[int, Event] = {}
+    category: dict[int, Category] = {}
     for event in events:
         if event.kind is EventKind.ALLOC:
             alive[event.key] = event
+            category[event.key] = event.category
         elif event.kind is EventKind.FREE:
             alive.pop(event.key, None)
-    return tuple(Event(EventKind.ALLOC, e.key, e.nbytes, Category.OPTIMIZER_STATE, e.module,
-                       e.op, Phase.SETUP) for e in alive.values())
+        else:
+            category[event.key] = event.category
+    return tuple(Event(EventKind.ALLOC, e.key, e.nbytes, category[e.key], e.module, e.op,
+                       Phase.SETUP) for e in alive.values())
