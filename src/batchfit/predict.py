@@ -17,7 +17,7 @@ from torch import nn
 
 from batchfit.device import DeviceProfile, resolve_device
 from batchfit.spec import TrainConfig, make_config
-from batchfit.timeline import ModuleMemory, Timeline, replay_events
+from batchfit.timeline import ModuleMemory, Timeline, needed_bytes, replay_events
 from batchfit.trace import Category, Phase, StepTrace, TraceReuse, trace_step
 
 
@@ -31,7 +31,8 @@ class MemoryEstimate:
         peak_allocated_bytes: peak bytes of live tensors (on CUDA, with 512 B rounding).
         peak_reserved_bytes: peak bytes the caching allocator holds (= allocated on CPU).
         total_bytes: device memory needed: reserved plus the CUDA context.
-        first_step_peak_bytes: the same total for the first step (optimizer state is created).
+        first_step_peak_bytes: the same total for the first step (optimizer state is created);
+            None when not computed.
         by_category: bytes by :class:`~batchfit.trace.Category` at the peak; sums to total_bytes.
         peak_phase, peak_op, peak_module: where the peak happens.
         top_modules: modules holding the most activation/temporary memory at the peak.
@@ -44,7 +45,7 @@ class MemoryEstimate:
     peak_allocated_bytes: int
     peak_reserved_bytes: int
     total_bytes: int
-    first_step_peak_bytes: int
+    first_step_peak_bytes: int | None
     by_category: dict[Category, int]
     peak_phase: Phase
     peak_op: str
@@ -94,7 +95,8 @@ class MemoryEstimate:
 
 def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size: int,
              config: TrainConfig | None = None, *, device: DeviceProfile | str | None = None,
-             reuse: TraceReuse | None = None, **options: Any) -> MemoryEstimate:
+             reuse: TraceReuse | None = None, first_step: bool = True,
+             **options: Any) -> MemoryEstimate:
     """Predict the peak memory of one step of ``model`` at ``batch_size``, on fake tensors.
 
     Args:
@@ -109,6 +111,7 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
         reuse: a :class:`~batchfit.trace.TraceReuse` shared by estimates of the same
             model, config and device at other batch sizes (builds the model once and
             traces the optimizer step once).
+        first_step: also replay the first step (``first_step_peak_bytes``; None if False).
 
     Returns:
         A :class:`MemoryEstimate`.
@@ -122,15 +125,19 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
     config = make_config(config, options)
     profile = resolve_device(device)
     trace = trace_step(model, inputs, batch_size, config, profile, reuse)
-    return summarize(trace, profile)
+    return summarize(trace, profile, first_step=first_step)
 
 
-def summarize(trace: StepTrace, device: DeviceProfile) -> MemoryEstimate:
+def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) -> MemoryEstimate:
     """Turn a trace into an estimate on ``device``."""
     steady = replay_events(trace.steady_events, device)
-    first = (steady if trace.first_events is trace.steady_events
-             else replay_events(trace.first_events, device, top=0))
     overhead = device.context_bytes if device.is_cuda else 0
+    if trace.first_events is trace.steady_events:
+        first_peak: int | None = steady.peak_reserved_bytes + overhead
+    elif first_step:
+        first_peak = needed_bytes(trace.first_events, device) + overhead
+    else:
+        first_peak = None
     warnings = tuple(
         f"custom op {op} in module '{module or '<root>'}': only its outputs are traced"
         for op, module in trace.custom_ops.items())
@@ -139,7 +146,7 @@ def summarize(trace: StepTrace, device: DeviceProfile) -> MemoryEstimate:
         peak_allocated_bytes=steady.peak_allocated_bytes,
         peak_reserved_bytes=steady.peak_reserved_bytes,
         total_bytes=steady.peak_reserved_bytes + overhead,
-        first_step_peak_bytes=first.peak_reserved_bytes + overhead,
+        first_step_peak_bytes=first_peak,
         by_category=steady.by_category, peak_phase=steady.peak_phase, peak_op=steady.peak_op,
         peak_module=steady.peak_module, top_modules=steady.top_modules, timeline=steady,
         parameter_count=trace.parameter_count,

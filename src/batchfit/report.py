@@ -62,7 +62,7 @@ def render_estimate(est: Any) -> Group:
             f"allocated {format_bytes(est.peak_allocated_bytes)}, reserved "
             f"{format_bytes(est.peak_reserved_bytes)}, + CUDA context "
             f"{format_bytes(device.context_bytes)}; card {format_bytes(device.total_memory_bytes)}"))
-    if est.first_step_peak_bytes != est.total_bytes:
+    if est.first_step_peak_bytes not in (None, est.total_bytes):
         lines.append(Text(f"first step (creates optimizer state): "
                           f"{format_bytes(est.first_step_peak_bytes)}"))
     lines.append(category_table(est.by_category, est.total_bytes, "Where the memory goes at the peak"))

@@ -100,6 +100,17 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10)
         peak_module=peak_event.module if peak_event else "")
 
 
+def needed_bytes(events: Sequence[Event], device: DeviceProfile) -> int:
+    """Peak live bytes (CPU) or the least allocator capacity the step fits (CUDA),
+    without the breakdown: the cheap number a solver needs."""
+    if not events:
+        return 0
+    if not device.is_cuda:
+        return max(_replay_cpu(events))
+    allocated, reserved = _replay_cuda(events, device.workspace_bytes, None)
+    return _smallest_capacity(events, device.workspace_bytes, max(allocated), max(reserved))
+
+
 def _replay_cpu(events: Sequence[Event]) -> list[int]:
     total = 0
     sizes: dict[int, int] = {}

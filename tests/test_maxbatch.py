@@ -1,0 +1,119 @@
+"""max_batch_size: exact boundary, confirmed by independent estimates, in few traces."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+import batchfit
+from batchfit.device import DeviceProfile
+from batchfit.errors import DoesNotFitError
+from batchfit.maxbatch import Constraint, max_batch_size, max_seq_len
+
+MIB = 1 << 20
+
+
+def cnn():
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(16, 10))
+
+
+class BatchDependent(nn.Module):
+    """Runs an extra op above batch 40, so traces at 16 and 32 cannot be interpolated."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if x.shape[0] > 40:
+            y = y * 2
+        return y
+
+
+def _boundary_holds(model, inputs, budget, answer, device, **options):
+    at = batchfit.estimate(model, inputs, answer, device=device, **options)
+    above = batchfit.estimate(model, inputs, answer + 1, device=device, **options)
+    overhead = device.context_bytes + device.workspace_bytes if device.is_cuda else 0
+    return at.total_bytes - overhead <= budget < above.total_bytes - overhead
+
+
+@pytest.mark.parametrize("memory_mib", [40, 97])
+def test_cpu_answer_is_the_exact_boundary(memory_mib):
+    result = max_batch_size(cnn, (3, 32, 32), device="cpu", memory_bytes=memory_mib * MIB)
+    assert _boundary_holds(cnn, (3, 32, 32), memory_mib * MIB, result.max_batch_size,
+                           DeviceProfile.cpu())
+    assert result.traces <= 6
+    assert result.binding_constraint is Constraint.MEMORY
+
+
+def test_cuda_answer_is_the_exact_boundary_with_reserved_memory():
+    t4 = DeviceProfile.cuda(1 << 30, (7, 5), name="small T4")
+    result = max_batch_size(cnn, (3, 64, 64), device=t4, precision="amp-fp16")
+    assert result.budget_bytes == (1 << 30) - t4.context_bytes - t4.workspace_bytes
+    assert _boundary_holds(cnn, (3, 64, 64), result.budget_bytes, result.max_batch_size, t4,
+                           precision="amp-fp16")
+    assert result.total_bytes_at_max <= 1 << 30 < result.total_bytes_at_next
+
+
+def test_batch_dependent_structure_falls_back_to_the_solver():
+    result = max_batch_size(BatchDependent, (256,), device="cpu", memory_bytes=8 * MIB)
+    assert _boundary_holds(BatchDependent, (256,), 8 * MIB, result.max_batch_size,
+                           DeviceProfile.cpu())
+
+
+def test_margin_lowers_the_budget():
+    plain = max_batch_size(cnn, (3, 32, 32), device="cpu", memory_bytes=64 * MIB)
+    margin = max_batch_size(cnn, (3, 32, 32), device="cpu", memory_bytes=64 * MIB, margin=0.25)
+    assert margin.budget_bytes == 48 * MIB
+    assert margin.max_batch_size < plain.max_batch_size
+
+
+def test_nothing_fits_reports_bytes():
+    with pytest.raises(DoesNotFitError) as info:
+        max_batch_size(cnn, (3, 32, 32), device="cpu", memory_bytes=64 * 1024)
+    assert info.value.available_bytes == 64 * 1024
+    assert info.value.needed_bytes > 64 * 1024
+
+
+def test_tiny_model_is_capped():
+    result = max_batch_size(lambda: nn.Linear(4, 2), (4,), device="cpu",
+                            memory_bytes=1 << 30, max_batch_limit=1000)
+    assert result.max_batch_size == 1000
+    assert result.binding_constraint is Constraint.LIMIT and "max_batch_limit" in result.note
+
+
+def test_int32_indexing_binds_before_memory():
+    # An upsampling to 4096x4096 makes 3*4096*4096 = 50,331,648 elements per sample;
+    # 2**31-1 elements allow floor(2147483647 / 50331648) = 42 samples, while an
+    # 80 GiB card's memory would allow more than that in inference.
+    def up():
+        return nn.Upsample(size=(4096, 4096))
+
+    gpu = DeviceProfile.cuda(80 << 30, (8, 0))
+    result = max_batch_size(up, (3, 8, 8), device=gpu, mode="infer")
+    assert result.binding_constraint is Constraint.INT32_INDEXING
+    assert result.max_batch_size == 42
+
+
+def test_longest_sequence():
+    transformers = pytest.importorskip("transformers")
+    from batchfit import TensorSpec
+
+    def gpt2():
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500,
+                                      n_positions=4096)
+        return transformers.GPT2LMHeadModel(cfg)
+
+    spec = {"input_ids": TensorSpec((128,), "int64", high=500),
+            "labels": TensorSpec((128,), "int64", high=500)}
+    result = max_seq_len(gpt2, spec, 2, device="cpu", memory_bytes=256 * MIB, max_len=4096,
+                         multiple_of=64)
+    from batchfit.maxbatch import with_seq_len
+
+    at = batchfit.estimate(gpt2, with_seq_len(spec, result.max_seq_len), 2)
+    above = batchfit.estimate(gpt2, with_seq_len(spec, result.max_seq_len + 64), 2)
+    assert at.total_bytes <= 256 * MIB < above.total_bytes
+    assert result.max_seq_len % 64 == 0
