@@ -70,6 +70,16 @@ def test_max_json_contract_and_exactness(factory_file):
     assert data["total_bytes_at_max"] <= 8 * MIB < data["total_bytes_at_next"]
 
 
+def test_max_with_batch_size_finds_the_longest_sequence():
+    result = invoke("max", "hf:gpt2", "--model-kwargs", "n_layer=1", "--device", "cpu",
+                    "--memory", "1GiB", "-b", "2", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["batch_size"] == 2
+    assert 0 < data["max_seq_len"] <= 1024  # GPT-2's learned positions end at 1024
+    assert data["total_bytes_at_max"] <= data["budget_bytes"]
+
+
 def test_gpus_json():
     result = invoke("gpus", "--json")
     assert result.exit_code == 0
@@ -132,6 +142,7 @@ BAD = [
     (["estimate", "resnet50x", "-b", "2"], 2, "unknown model"),
     (["estimate", "timm:resnet18", "-b", "2", "--seq-len", "0"], 2, "seq"),
     (["estimate", "timm:resnet18", "-b", "2", "--model-kwargs", "oops"], 2, "key=value"),
+    (["max", "timm:resnet18", "--gpu", "T4", "-b", "8"], 2, "takes no token sequence"),
 ]
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import sys
+import warnings
 from typing import Any, Iterator, Optional
 
 import typer
@@ -195,9 +197,15 @@ def max_cmd(
     margin: float = typer.Option(0.0, "--margin", help="fraction of memory kept free, e.g. 0.05"),
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
     max_limit: int = typer.Option(65536, "--max-batch-limit", help="largest batch considered"),
+    batch_size: Optional[int] = typer.Option(
+        None, "--batch-size", "-b",
+        help="token models: fix the batch and find the longest --seq-len that fits"),
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
-    """The largest batch size that fits the GPU (or a memory budget)."""
+    """The largest batch size that fits the GPU (or a memory budget).
+
+    With --batch-size, the longest sequence length that fits at that batch instead.
+    """
     with _errors(debug):
         if not 0 <= margin < 1:
             raise InvalidInputError(f"--margin {margin} must be a fraction in [0, 1), e.g. 0.05")
@@ -210,6 +218,10 @@ def max_cmd(
         with _progress(not as_json, f"resolving {model}...") as status:
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                           checkpointing, channels_last, model_kwargs)
+            if batch_size is not None:
+                _max_seq_len(model, spec, inputs, config, profile, memory_bytes, margin,
+                             batch_size, as_json, status)
+                return
             from batchfit.maxbatch import max_batch_size
 
             def on_trace(batch: int) -> None:
@@ -233,6 +245,50 @@ def max_cmd(
             out.print(f"plot written to {plot}")
 
 
+def _context_length(spec: Any) -> int | None:
+    """The model's maximum positions, read from its config (built on meta)."""
+    import torch
+
+    from batchfit.models import _max_positions
+
+    with torch.device("meta"):
+        built = spec.factory()
+    config = getattr(built, "config", None)
+    return _max_positions(config) if config is not None else None
+
+
+def _max_seq_len(model: str, spec: Any, inputs: Any, config: Any, profile: Any,
+                 memory_bytes: int | None, margin: float, batch_size: int, as_json: bool,
+                 status: Any) -> None:
+    from batchfit.maxbatch import max_seq_len
+
+    if batch_size < 1:
+        raise InvalidInputError(f"--batch-size must be a positive integer, not {batch_size}")
+    if not spec.is_token_model:
+        raise InvalidInputError(
+            f"{model} takes no token sequence: --batch-size with max solves for --seq-len; "
+            "drop --batch-size to find the largest batch")
+
+    def on_trace(length: int) -> None:
+        if status is not None:
+            status.update(f"tracing {model} at sequence length {length}...")
+
+    limit = _context_length(spec) or 131072
+    result = max_seq_len(spec.factory, inputs, batch_size, config, device=profile,
+                         memory_bytes=memory_bytes, margin=margin, max_len=limit,
+                         on_trace=on_trace)
+    if as_json:
+        _emit_json({"model": model, **result.to_dict()})
+        return
+    from batchfit.report import format_bytes
+
+    out.print(f"[bold]Longest sequence:[/bold] [bold green]{result.max_seq_len}[/bold green] "
+              f"tokens at batch {batch_size} on {profile.name} "
+              f"({format_bytes(result.total_bytes_at_max)} needed, budget "
+              f"{format_bytes(result.budget_bytes)}; {result.traces} traces"
+              + ("; capped at the model's context" if result.capped else "") + ")")
+
+
 @app.command("gpus")
 def gpus_cmd(as_json: bool = JsonOpt, debug: bool = DebugOpt) -> None:
     """List the GPU catalog."""
@@ -249,6 +305,12 @@ def gpus_cmd(as_json: bool = JsonOpt, debug: bool = DebugOpt) -> None:
 
 
 def main() -> None:
+    # Library chatter (transformers' advisory logs, deprecation warnings) would break
+    # --json on stdout and bury the answer; batchfit's own warnings are in its results.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
     app()
 
 
