@@ -101,6 +101,13 @@ class OpInterceptor(TorchDispatchMode):
         return out
 
 
+def no_dispatch_modes():
+    """Run real kernels from inside a trace: no fake mode, no interceptor."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
     for leaf in tree_leaves(value):
         if isinstance(leaf, torch.Tensor):

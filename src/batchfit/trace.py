@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from batchfit import _torch_internals as ti
+from batchfit.kernels import size_fix_for
 
 
 class Category(StrEnum):
@@ -153,8 +154,10 @@ class Tracer:
         entry = self._live.get(found[0]) if found else None
         return entry[1] if entry else None
 
-    def _add(self, key: int, storage: Any, category: Category, module: str, op: str) -> None:
-        nbytes = storage.nbytes()
+    def _add(self, key: int, storage: Any, category: Category, module: str, op: str,
+             nbytes: int | None = None) -> None:
+        if nbytes is None:
+            nbytes = storage.nbytes()
         uid = next(_UIDS)
 
         def on_free() -> None:
@@ -170,7 +173,9 @@ class Tracer:
     def _on_output(self, func: Any, args: tuple, out: Any) -> None:
         module = None
         op = None
-        for tensor in ti.iter_tensors(out):
+        fix = size_fix_for(func)
+        real_sizes = fix(args, {}) if fix is not None else {}
+        for index, tensor in enumerate(ti.iter_tensors(out)):
             found = ti.storage_key(tensor)
             if found is None or found[0] in self._live:
                 continue
@@ -181,7 +186,7 @@ class Tracer:
                 if namespace not in _CUSTOM_NAMESPACES_OK and op not in self.custom_ops:
                     self.custom_ops[op] = module
             category = self._category_for(func, args)
-            self._add(found[0], found[1], category, module, op)
+            self._add(found[0], found[1], category, module, op, real_sizes.get(index))
             numel = tensor.numel()
             if numel > self.largest[0]:
                 self.largest = (numel, op, module)
