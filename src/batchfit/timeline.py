@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from batchfit.allocator import AllocatorOutOfMemory, CachingAllocator
 from batchfit.device import DeviceProfile
-from batchfit.trace import Category, Event, EventKind, Phase
+from batchfit.trace import Category, Event, EventKind, Phase, alive_at_end
 
 _WORKSPACE_KEY = -1
 
@@ -166,21 +166,11 @@ def _held_at(events: Sequence[Event], index: int, device: DeviceProfile
     """Live bytes by category and by module (activations and temporaries) after ``index``."""
     from batchfit.allocator import round_size
 
-    live: dict[int, Event] = {}
-    category_of: dict[int, Category] = {}
-    for event in events[: index + 1]:
-        if event.kind is EventKind.ALLOC:
-            live[event.key] = event
-            category_of[event.key] = event.category
-        elif event.kind is EventKind.FREE:
-            live.pop(event.key, None)
-        else:
-            category_of[event.key] = event.category
     by_category: dict[Category, int] = {}
     modules: dict[str, int] = {}
-    for key, event in live.items():
+    for event in alive_at_end(events[: index + 1]):
         size = round_size(event.nbytes) if device.is_cuda and event.nbytes else event.nbytes
-        category = category_of[key]
+        category = event.category
         by_category[category] = by_category.get(category, 0) + size
         if category in (Category.ACTIVATIONS, Category.TEMPORARIES, Category.AUTOCAST_COPIES):
             name = event.module or "<root>"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum, StrEnum
 from typing import Any, Sequence
 
@@ -438,7 +438,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
     events = tracer.events
     if training and not config.grads_to_none:
         first = tuple(events[:marks[0]])
-        steady = _alive_at_end(first) + tuple(events[marks[0]:end])
+        steady = _as_setup(alive_at_end(first)) + tuple(events[marks[0]:end])
     elif training:
         fwd_bwd_end = marks[0]
         if reuse is not None and reuse.optimizer_first is not None:
@@ -449,7 +449,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             if reuse is not None:
                 reuse.optimizer_first, reuse.optimizer_steady = opt_first, opt_steady
         first = tuple(events[:fwd_bwd_end]) + opt_first
-        steady = (tuple(events[:setup_end]) + _alive_at_end(opt_first)
+        steady = (tuple(events[:setup_end]) + _as_setup(alive_at_end(opt_first))
                   + tuple(events[setup_end:fwd_bwd_end]) + opt_steady)
     else:
         first = steady = tuple(events[:end])
@@ -472,7 +472,12 @@ def _trace_optimizer(runner: Any, tracer: Tracer, marks: list[int]) -> None:
     runner.optimizer_step()
 
 
-def _alive_at_end(events: Sequence[Event]) -> tuple[Event, ...]:
+def _as_setup(events: tuple[Event, ...]) -> tuple[Event, ...]:
+    """Allocations carried into the steady step: they exist before it starts."""
+    return tuple(replace(e, phase=Phase.SETUP) for e in events)
+
+
+def alive_at_end(events: Sequence[Event]) -> tuple[Event, ...]:
     """Allocations in ``events`` still alive at the end, with their latest category."""
     alive: dict[int, Event] = {}
     category: dict[int, Category] = {}
@@ -485,4 +490,4 @@ def _alive_at_end(events: Sequence[Event]) -> tuple[Event, ...]:
         else:
             category[event.key] = event.category
     return tuple(Event(EventKind.ALLOC, e.key, e.nbytes, category[e.key], e.module, e.op,
-                       Phase.SETUP) for e in alive.values())
+                       e.phase) for e in alive.values())
