@@ -28,6 +28,10 @@ def factory_file(tmp_path):
         def with_spec():
             return mlp(), TensorSpec((128,))
 
+        def heavy():
+            # batch 1 allocates 32 MiB activations per layer: a 1 KiB cap cannot hold them
+            return nn.Sequential(nn.Linear(4096, 4096), nn.ReLU()), TensorSpec((2048, 4096))
+
         def broken():
             raise RuntimeError("cannot build this")
     """))
@@ -78,6 +82,53 @@ def test_max_with_batch_size_finds_the_longest_sequence():
     assert data["batch_size"] == 2
     assert 0 < data["max_seq_len"] <= 1024  # GPT-2's learned positions end at 1024
     assert data["total_bytes_at_max"] <= data["budget_bytes"]
+
+
+def test_bench_json_contract(factory_file):
+    result = invoke("bench", f"{factory_file}:with_spec", "--device", "cpu", "--memory", "64MiB",
+                    "--batches", "4,16", "--dataset-size", "1000", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [p["batch_size"] for p in data["points"]] == [4, 16]
+    for key in ("knee_batch_size", "best_batch_size", "recommended_batch_size", "device"):
+        assert key in data
+    for point in data["points"]:
+        assert point["samples_per_s"] == pytest.approx(point["batch_size"] / point["step_s"])
+
+
+def test_bench_above_the_maximum_is_refused(factory_file):
+    result = invoke("bench", f"{factory_file}:with_spec", "--device", "cpu", "--memory", "4MiB",
+                    "--batches", "1000000", "--json")
+    assert result.exit_code == 2
+    assert "above the largest that fits" in result.output
+
+
+def test_bench_predict_needs_no_device(factory_file):
+    result = invoke("bench", f"{factory_file}:with_spec", "--gpu", "A100", "--predict", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["predicted"] is True and data["recommended_batch_size"] >= 1
+
+
+def test_search_json_contract(factory_file):
+    result = invoke("search", f"{factory_file}:with_spec", "--device", "cpu", "--memory-cap",
+                    "48MiB", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    for key in ("max_batch_size", "recommended_batch_size", "predicted_max_batch_size"):
+        assert key in data
+    trials = data["trials"]
+    assert {"batch_size", "fits", "peak_bytes", "seconds"} <= set(trials[0])
+    fitting = [t["batch_size"] for t in trials if t["fits"]]
+    failing = [t["batch_size"] for t in trials if not t["fits"]]
+    # the answer ran, the batch above it did not
+    assert data["max_batch_size"] in fitting and data["max_batch_size"] + 1 in failing
+
+
+def test_search_exit_3_when_nothing_fits(factory_file):
+    result = invoke("search", f"{factory_file}:heavy", "--device", "cpu", "--memory-cap",
+                    "1KiB")
+    assert result.exit_code == 3, result.output
 
 
 def test_gpus_json():
@@ -143,6 +194,14 @@ BAD = [
     (["estimate", "timm:resnet18", "-b", "2", "--seq-len", "0"], 2, "seq"),
     (["estimate", "timm:resnet18", "-b", "2", "--model-kwargs", "oops"], 2, "key=value"),
     (["max", "timm:resnet18", "--gpu", "T4", "-b", "8"], 2, "takes no token sequence"),
+    (["bench", "{factory}:with_spec", "--predict"], 2, "--predict needs --gpu"),
+    (["bench", "{factory}:with_spec", "--batches", ","], 2, "bad --batches"),
+    (["bench", "{factory}:with_spec", "--dataset-size", "0"], 2, "--dataset-size"),
+    (["bench", "{factory}:with_spec", "--gpu", "A100"], 2, "--predict"),
+    (["search", "{factory}:with_spec", "--device", "cuda:7"], 2, "CUDA"),
+    (["search", "{factory}:with_spec", "--device", "npu"], 2, "unknown device"),
+    (["search", "{factory}:with_spec", "--memory-cap", "64TiB"], 2, "larger than this machine"),
+    (["search", "{factory}:with_spec", "--steps-per-trial", "0"], 2, "--steps-per-trial"),
 ]
 
 

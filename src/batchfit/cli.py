@@ -289,6 +289,164 @@ def _max_seq_len(model: str, spec: Any, inputs: Any, config: Any, profile: Any,
               + ("; capped at the model's context" if result.capped else "") + ")")
 
 
+@app.command("search")
+def search_cmd(
+    model: str = ModelArg,
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda:N: the device to run on"),
+    memory_cap: Optional[str] = typer.Option(
+        None, "--memory-cap", help="CPU: bytes a trial may use beyond its warmed-up state; "
+        "CUDA: the allocator's limit (what if my card were smaller)"),
+    steps_per_trial: int = typer.Option(2, "--steps-per-trial", help="real steps per trial (>= 2)"),
+    input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
+    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
+    checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
+    model_kwargs: Optional[list[str]] = KwargsOpt,
+    as_json: bool = JsonOpt, debug: bool = DebugOpt,
+) -> None:
+    """Find the exact largest batch on the real device, starting from the prediction."""
+    with _errors(debug):
+        if steps_per_trial < 2:
+            raise InvalidInputError(
+                f"--steps-per-trial must be at least 2 (the first step creates the optimizer "
+                f"state; the peak is the steady state's), not {steps_per_trial}")
+        text = device.strip().lower()
+        if text != "cpu" and not re.fullmatch(r"cuda(:\d+)?", text):
+            raise InvalidInputError(f"unknown device {device!r}: use cpu or cuda:N (e.g. cuda:0)")
+        if text.startswith("cuda"):
+            from batchfit.catalog import live_gpu
+
+            live_gpu(int(text.partition(":")[2] or 0))  # one clear line if it does not exist
+        cap = parse_size(memory_cap) if memory_cap is not None else None
+        if cap is not None and text == "cpu":
+            total = _machine_memory_bytes()
+            if total is not None and cap > total:
+                from batchfit.report import format_bytes
+
+                raise InvalidInputError(
+                    f"--memory-cap {memory_cap} is larger than this machine's memory "
+                    f"({format_bytes(total)}): give a smaller cap")
+        spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
+                                      checkpointing, channels_last, model_kwargs)
+        from batchfit.search import search_max_batch
+
+        with _progress(not as_json, f"predicting, then running {model} on {device}...") as status:
+            def on_trial(trial: Any) -> None:
+                if status is not None:
+                    verdict = "fits" if trial.fits else "out of memory"
+                    status.update(f"batch {trial.batch_size} {verdict}; next trial...")
+
+            result = search_max_batch(spec, inputs, config, device=text,
+                                      memory_cap_bytes=cap, steps_per_trial=steps_per_trial,
+                                      on_trial=on_trial)
+        if as_json:
+            _emit_json({"model": model, **result.to_dict()})
+            return
+        from batchfit.report import render_search
+
+        out.print(render_search(result, model))
+
+
+def _machine_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@app.command("bench")
+def bench_cmd(
+    model: str = ModelArg,
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda:N (measured)"),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="a catalog GPU, with --predict"),
+    predict: bool = typer.Option(False, "--predict", help="predict on --gpu; no device needed"),
+    memory: Optional[str] = typer.Option(None, "--memory", help="CPU memory budget, e.g. 8GiB"),
+    batches: str = typer.Option("auto", "--batches", help="auto, or a list like 16,32,64"),
+    dataset_size: Optional[int] = typer.Option(None, "--dataset-size",
+                                               help="samples per epoch, for the epoch time"),
+    alignment: bool = typer.Option(False, "--alignment",
+                                   help="measure B against multiples of 8, powers of two, B±1"),
+    input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
+    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
+    checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
+    model_kwargs: Optional[list[str]] = KwargsOpt,
+    as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
+) -> None:
+    """Measure (or predict) throughput against batch size and recommend the fastest batch."""
+    with _errors(debug):
+        _check_plot(plot)
+        if dataset_size is not None and dataset_size < 1:
+            raise InvalidInputError(f"--dataset-size must be a positive integer, not {dataset_size}")
+        if predict and not gpu:
+            raise InvalidInputError("--predict needs --gpu NAME: the card to predict for")
+        if gpu and not predict:
+            raise InvalidInputError("--gpu goes with --predict; to measure, use --device cpu|cuda:N")
+        batch_list = _parse_batches(batches)
+        memory_bytes = parse_size(memory) if memory is not None else None
+        spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
+                                      checkpointing, channels_last, model_kwargs)
+        if predict:
+            from batchfit.roofline import predict_throughput
+
+            with _progress(not as_json, f"predicting {model} on {gpu}..."):
+                result = predict_throughput(spec.factory, inputs, config, gpu=gpu,
+                                            batches=batch_list, dataset_size=dataset_size)
+        else:
+            from batchfit.throughput import bench
+
+            with _measure_progress(not as_json) as on_measure:
+                result = bench(spec.factory, inputs, config, device=device or "cpu",
+                               memory_bytes=memory_bytes, batches=batch_list,
+                               dataset_size=dataset_size, alignment=alignment,
+                               on_measure=on_measure)
+        if plot:
+            from batchfit.plot import plot_throughput
+
+            plot_throughput(result, plot)
+        if as_json:
+            _emit_json({"model": model, **result.to_dict()})
+            return
+        from batchfit.report import render_bench
+
+        out.print(render_bench(result, model))
+        if plot:
+            out.print(f"plot written to {plot}")
+
+
+def _parse_batches(text: str) -> Any:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise InvalidInputError(
+            f"bad --batches {text!r}: use auto or a comma-separated list like 16,32,64")
+    return sorted(set(values))
+
+
+@contextlib.contextmanager
+def _measure_progress(enabled: bool) -> Iterator[Any]:
+    """A rich progress bar over measured batch sizes (at most 8 for the knee)."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as progress:
+        task = progress.add_task("measuring", total=8)
+
+        def on_measure(batch: int) -> None:
+            progress.update(task, advance=1, description=f"measuring batch {batch}")
+
+        yield on_measure
+
+
 @app.command("gpus")
 def gpus_cmd(as_json: bool = JsonOpt, debug: bool = DebugOpt) -> None:
     """List the GPU catalog."""

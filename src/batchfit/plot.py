@@ -90,3 +90,30 @@ def plot_max_batch(result: Any, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_throughput(result: Any, path: str) -> None:
+    """Throughput and memory against batch size on one figure."""
+    check_plot_path(path)
+    plt = _pyplot()
+    points = [p.to_dict() for p in result.points]
+    fitting = [p for p in points if p.get("fits", True)]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([p["batch_size"] for p in fitting], [p["samples_per_s"] for p in fitting], "o-",
+            color="tab:blue", label="samples/s")
+    ax.axvline(result.recommended_batch_size, color="green", ls=":",
+               label=f"recommended {result.recommended_batch_size}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("samples/s")
+    mem = ax.twinx()
+    mem.plot([p["batch_size"] for p in fitting],
+             [(p.get("peak_bytes") or 0) / _GIB for p in fitting], "s--", color="tab:orange",
+             label="memory")
+    mem.set_ylabel("GiB")
+    handles = ax.get_legend_handles_labels()[0] + mem.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="lower right")
+    ax.set_title("throughput and memory vs batch size")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -119,3 +119,53 @@ def render_gpus(gpus: Sequence[Any]) -> Table:
                       f"{bf16 / 1e12:,.0f}" if bf16 else "-",
                       f"{gpu.memory_bandwidth_bytes_per_s / 1e9:,.0f} GB/s")
     return table
+
+
+def render_bench(result: Any, model: str) -> Group:
+    """Throughput per batch size, the knee and the recommendation."""
+    predicted = result.to_dict().get("predicted", False)
+    table = Table(title=f"{'Predicted' if predicted else 'Measured'} throughput of {model}",
+                  title_justify="left")
+    for column in ("batch", "samples/s", "step", "memory"):
+        table.add_column(column, justify="right")
+    for point in result.points:
+        data = point.to_dict()
+        if data.get("fits", True) is False:
+            table.add_row(str(data["batch_size"]), "out of memory", "-", "-")
+            continue
+        mark = " ◀" if data["batch_size"] == result.recommended_batch_size else ""
+        table.add_row(f"{data['batch_size']}{mark}", f"{data['samples_per_s']:,.1f}",
+                      f"{data['step_s'] * 1e3:,.1f} ms", format_bytes(data.get("peak_bytes")))
+    lines: list[Any] = [table, Text(
+        f"knee {result.knee_batch_size}, best {result.best_batch_size} "
+        f"({result.best_samples_per_s:,.1f} samples/s), recommended "
+        f"{result.recommended_batch_size}; largest that fits {result.max_batch_size}")]
+    if getattr(result, "epoch_s", None):
+        lines.append(Text(f"epoch of {result.dataset_size:,} samples: {result.epoch_s:,.1f} s"))
+    alignment = getattr(result, "alignment", None)
+    if alignment is not None:
+        lines.append(Text(alignment.verdict.text, style="italic"))
+    boundaries = getattr(result, "wave_boundaries", ())
+    if boundaries:
+        lines.append(Text("wave boundaries: " + ", ".join(
+            str(getattr(b, "batch_size", b)) for b in boundaries[:10])))
+    return Group(*lines)
+
+
+def render_search(result: Any, model: str) -> Group:
+    """The exact maximum found on the device, the recommendation and every trial."""
+    table = Table(title=f"Trials of {model} on {result.device}", title_justify="left")
+    for column in ("batch", "result", "peak", "seconds"):
+        table.add_column(column, justify="right")
+    for trial in result.trials:
+        data = trial.to_dict()
+        table.add_row(str(data["batch_size"]), "fits" if data["fits"] else "out of memory",
+                      format_bytes(data.get("peak_bytes")), f"{data['seconds']:.1f}")
+    head = Text.assemble(("Largest batch on the device: ", "bold"),
+                         (str(result.max_batch_size), "bold green"),
+                         f"; recommended {result.recommended_batch_size} (with headroom)")
+    lines: list[Any] = [head, table]
+    if result.predicted_max_batch_size is not None and result.prediction_error is not None:
+        lines.append(Text(f"predicted {result.predicted_max_batch_size} "
+                          f"({result.prediction_error:+.1%} vs the device)"))
+    return Group(*lines)

@@ -1,0 +1,380 @@
+"""Issue 3's end-to-end check: ``batchfit max --device cpu --memory BUDGET`` against the true
+maximum on a capped CPU, for a small CNN, a timm model and a small transformer.
+
+The device (DESIGN.md §4): a fresh ``python -c`` process builds the model and AdamW, runs
+one training step at batch 1, frees that step's gradients and batch, reads its
+``VmData`` and sets ``RLIMIT_DATA`` to ``VmData + CAP``; then it runs 2 steps at batch B.
+B fits when no step raises the CPU allocator's (or oneDNN's) out-of-memory error. Every
+process runs with glibc's mmap threshold pinned at 128 KiB (``MALLOC_MMAP_THRESHOLD_``,
+see :mod:`batchfit.search` for why: unpinned, the outcome near the cap is random) and
+``OMP_NUM_THREADS=1`` (this 2-core machine is shared; one thread keeps step times steady).
+
+The true maximum: bisection over B with one fresh process per B (this file's own child
+code, independent of :mod:`batchfit.probe`), then B-1, B+1 and B+2 re-checked.
+
+The budget that corresponds to the cap: the cap is what the step may use *beyond* the
+process's state after warm-up; the CPU prediction counts live tensor bytes including
+that state. So ``--memory = state + CAP``, with state = parameters + buffers + optimizer
+state as the trace counts them (the batch-1 estimate's categories).
+
+What the prediction cannot see: the process uses more than its live tensors (Python
+objects for the autograd graph, small tensors in glibc's heap, oneDNN primitives). That
+overhead is measured at the true maximum and at half of it (a fresh capped trial through
+:func:`batchfit.probe.run_trial_subprocess`: growth of the data segment minus growth of
+live tensors) and fitted as ``fixed + per_sample * B``; the table shows the prediction a
+CPU profile with that overhead would make (in-sample: fitted on the same runs).
+
+Run: ``python benchmarks/max_vs_true_cpu.py [--models cnn,resnet18,gpt2-tiny]
+[--flakiness]``. Writes ``benchmarks/results/max_vs_true_cpu.{md,json}``; takes ~8 min here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+MIB = 1 << 20
+STEPS = 2
+OPTIMIZER = "adamw"
+DEVICE_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+
+#: name -> how to build it (as resolve_model takes it) and the cap of the device.
+MODELS = {
+    "cnn": {"spec": "benchmarks/max_vs_true_cpu.py:small_cnn", "cap": 128 * MIB},
+    "resnet18": {"spec": "timm:resnet18", "input_shape": [3, 64, 64], "cap": 64 * MIB},
+    "gpt2-tiny": {"spec": "hf:gpt2", "seq_len": 64, "cap": 128 * MIB,
+                  "model_kwargs": {"n_layer": 2, "n_embd": 128, "n_head": 4,
+                                   "vocab_size": 2048, "bos_token_id": 0, "eos_token_id": 0}},
+}
+
+
+def small_cnn():
+    """Four 3x3 convolutions on 3x64x64 images (a model for the file:factory spec)."""
+    from torch import nn
+
+    from batchfit import TensorSpec
+
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+    return model, TensorSpec((3, 64, 64))
+
+
+def resolve(name: str):
+    from batchfit.models import resolve_model
+
+    entry = MODELS[name]
+    shape = entry.get("input_shape")
+    return resolve_model(entry["spec"], model_kwargs=entry.get("model_kwargs"),
+                         seq_len=entry.get("seq_len"),
+                         input_shape=tuple(shape) if shape else None)
+
+
+def device_env(pinned: bool = True) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if pinned:
+        env.update(DEVICE_ENV)
+    return env
+
+
+# --------------------------------------------------------------------------- the truth
+
+#: The fresh process of one truth check; deliberately not batchfit.probe's code.
+TRUTH_CHILD = r"""
+import gc, json, resource, sys, time
+args = json.loads(sys.argv[1])
+import torch
+from batchfit.models import resolve_model
+from batchfit.spec import TrainConfig
+from batchfit.step import StepRunner, make_batch
+
+def vm_data():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+
+shape = args.get("input_shape")
+spec = resolve_model(args["spec"], model_kwargs=args.get("model_kwargs"),
+                     seq_len=args.get("seq_len"), input_shape=tuple(shape) if shape else None)
+torch.manual_seed(0)
+model = spec.factory()
+config = TrainConfig(optimizer=args["optimizer"], loss_fn=spec.loss_fn)
+generator = torch.Generator().manual_seed(0)
+runner = StepRunner(model, config, make_batch(spec.input_spec, 1, None, generator),
+                    foreach=False, generator=generator)
+runner.train_step()
+runner.optimizer.zero_grad(set_to_none=True)
+runner.batch = None
+gc.collect()
+base = vm_data()
+_, hard = resource.getrlimit(resource.RLIMIT_DATA)
+resource.setrlimit(resource.RLIMIT_DATA, (base + args["cap"], hard))
+start = time.perf_counter()
+try:
+    runner.batch = make_batch(spec.input_spec, args["batch_size"], None, generator)
+    for _ in range(args["steps"]):
+        runner.train_step()
+    fits, error = True, ""
+except (RuntimeError, MemoryError) as exc:
+    text = str(exc)
+    if not (isinstance(exc, MemoryError) or "can't allocate memory" in text
+            or "could not create a primitive" in text):
+        raise
+    fits, error = False, text.splitlines()[0][:160]
+print(json.dumps({"batch_size": args["batch_size"], "fits": fits, "error": error,
+                  "seconds": time.perf_counter() - start}))
+"""
+
+
+def fresh_trial(name: str, batch_size: int, cap: int, *, pinned: bool = True) -> dict:
+    """One fresh ``python -c`` process at ``batch_size`` under ``cap``."""
+    entry = MODELS[name]
+    args = {k: entry[k] for k in ("spec", "model_kwargs", "seq_len", "input_shape") if k in entry}
+    args.update(batch_size=batch_size, cap=cap, steps=STEPS, optimizer=OPTIMIZER)
+    done = subprocess.run([sys.executable, "-c", TRUTH_CHILD, json.dumps(args)], cwd=ROOT,
+                          env=device_env(pinned), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"truth run failed for {name} at {batch_size}:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def true_maximum(name: str, cap: int, guess: int, log: list[dict]) -> int:
+    """Bisection with one fresh process per batch size, then the neighbours re-checked."""
+    cache: dict[int, bool] = {}
+
+    def fits(batch_size: int) -> bool:
+        if batch_size not in cache:
+            run = fresh_trial(name, batch_size, cap)
+            log.append(run)
+            cache[batch_size] = run["fits"]
+            print(f"    fresh {name} B={batch_size}: {'fits' if run['fits'] else 'OOM'}",
+                  flush=True)
+        return cache[batch_size]
+
+    lo, hi = max(1, guess // 2), max(2, 2 * guess)
+    while not fits(lo):
+        lo, hi = max(1, lo // 2), lo
+        if lo == 1 and not fits(1):
+            return 0
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    for neighbour in (lo - 1, lo + 2):  # local monotonicity around the boundary
+        if neighbour >= 1:
+            expected = neighbour < lo
+            if fits(neighbour) != expected:
+                raise RuntimeError(f"{name}: fits({neighbour}) is not monotone around {lo}")
+    return lo
+
+
+# --------------------------------------------------------------------------- prediction
+
+
+def state_bytes(name: str) -> int:
+    """Parameters + buffers + optimizer state, as the trace counts them."""
+    from batchfit import Category, TrainConfig
+    from batchfit.predict import estimate
+
+    spec = resolve(name)
+    est = estimate(spec.factory, spec.input_spec, 1,
+                   TrainConfig(optimizer=OPTIMIZER, loss_fn=spec.loss_fn), device="cpu")
+    return sum(est.by_category.get(c, 0)
+               for c in (Category.PARAMETERS, Category.BUFFERS, Category.OPTIMIZER_STATE))
+
+
+def cli_prediction(name: str, budget: int) -> dict:
+    """``batchfit max --device cpu --memory BUDGET --json`` as a user would run it."""
+    entry = MODELS[name]
+    command = [str(Path(sys.executable).with_name("batchfit")), "max", entry["spec"],
+               "--device", "cpu", "--memory", str(budget), "--optimizer", OPTIMIZER, "--json"]
+    if "input_shape" in entry:
+        command += ["--input", "x".join(map(str, entry["input_shape"]))]
+    if "seq_len" in entry:
+        command += ["--seq-len", str(entry["seq_len"])]
+    for key, value in entry.get("model_kwargs", {}).items():
+        command += ["--model-kwargs", f"{key}={value}"]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"batchfit max failed for {name}: {done.stderr[-1000:]}")
+    data = json.loads(done.stdout)
+    data["wall_s"] = time.perf_counter() - start
+    return data
+
+
+def live_prediction(name: str, batch_size: int) -> int:
+    from batchfit import TrainConfig
+    from batchfit.predict import estimate
+
+    spec = resolve(name)
+    return estimate(spec.factory, spec.input_spec, batch_size,
+                    TrainConfig(optimizer=OPTIMIZER, loss_fn=spec.loss_fn),
+                    device="cpu").peak_allocated_bytes
+
+
+def trial_server(name: str):
+    """A zygote for ``name`` that imports what a fresh process for it imports."""
+    from batchfit.probe import TrialServer, preloads_for
+
+    return TrialServer(preloads_for(resolve(name).factory), env=device_env())
+
+
+def measured_overhead(name: str, cap: int, batch_sizes: list[int]) -> list[dict]:
+    """Capped fresh trials: data segment growth vs live tensor growth."""
+    from batchfit.probe import run_trial_subprocess
+
+    spec = resolve(name)
+    rows = []
+    with trial_server(name) as server:
+        trials = [run_trial_subprocess(spec, None, batch_size, optimizer=OPTIMIZER,
+                                       cap_bytes=cap, steps=STEPS, server=server)
+                  for batch_size in batch_sizes]
+    for batch_size, trial in zip(batch_sizes, trials):
+        if not trial.fits:
+            raise RuntimeError(f"{name}: B={batch_size} did not fit in the overhead run")
+        live = trial.peak_bytes - trial.baseline_bytes
+        rows.append({"batch_size": batch_size, "used_bytes": trial.used_bytes,
+                     "live_growth_bytes": live, "overhead_bytes": trial.used_bytes - live,
+                     "peak_bytes": trial.peak_bytes, "baseline_bytes": trial.baseline_bytes,
+                     "predicted_peak_bytes": live_prediction(name, batch_size)})
+    return rows
+
+
+def corrected_max(name: str, state: int, cap: int, fixed: float, per_sample: float,
+                  start: int) -> int:
+    """Largest B with predicted live growth + fixed + per_sample * B <= cap."""
+    def fits(b: int) -> bool:
+        return live_prediction(name, b) - state + fixed + per_sample * b <= cap
+
+    b = start
+    while b > 1 and not fits(b):
+        b -= 1
+    while fits(b + 1):
+        b += 1
+    return b
+
+
+# --------------------------------------------------------------------------- report
+
+
+def check_model(name: str) -> dict:
+    cap = MODELS[name]["cap"]
+    print(f"== {name}: cap {cap / MIB:.0f} MiB", flush=True)
+    state = state_bytes(name)
+    budget = state + cap
+    cli = cli_prediction(name, budget)
+    predicted = cli["max_batch_size"]
+    print(f"  state {state / MIB:.2f} MiB, --memory {budget} -> predicted {predicted}", flush=True)
+    runs: list[dict] = []
+    start = time.perf_counter()
+    truth = true_maximum(name, cap, predicted, runs)
+    truth_s = time.perf_counter() - start
+    overhead = measured_overhead(name, cap, [max(1, truth // 2), truth])
+    (b0, o0), (b1, o1) = [(r["batch_size"], r["overhead_bytes"]) for r in overhead]
+    per_sample = (o1 - o0) / (b1 - b0) if b1 != b0 else 0.0
+    fixed = o1 - per_sample * b1
+    corrected = corrected_max(name, state, cap, fixed, per_sample, truth)
+    at_max = overhead[-1]
+    row = {
+        "model": name, "spec": MODELS[name]["spec"], "cap_bytes": cap, "state_bytes": state,
+        "budget_bytes": budget, "predicted": predicted, "true_max": truth,
+        "error_pct": 100.0 * (predicted - truth) / truth if truth else None,
+        "cli_wall_s": round(cli["wall_s"], 2), "cli_traces": cli.get("traces"),
+        "measured_state_bytes": at_max["baseline_bytes"],
+        "live_peak_at_true_max": {"predicted": at_max["predicted_peak_bytes"],
+                                  "measured": at_max["peak_bytes"]},
+        "overhead": overhead,
+        "overhead_fit": {"fixed_bytes": fixed, "per_sample_bytes": per_sample},
+        "overhead_at_max_pct_of_cap": 100.0 * at_max["overhead_bytes"] / cap,
+        "corrected_prediction": corrected,
+        "fresh_runs": runs, "truth_s": round(truth_s, 1),
+    }
+    print(f"  true max {truth} ({len(runs)} fresh runs, {truth_s:.0f} s); overhead at max "
+          f"{at_max['overhead_bytes'] / MIB:.2f} MiB; corrected prediction {corrected}",
+          flush=True)
+    return row
+
+
+def flakiness(name: str, center: int, cap: int, repeats: int = 2) -> list[dict]:
+    """Fresh processes around the boundary with glibc's default (dynamic) mmap threshold."""
+    rows = []
+    for batch_size in range(center - 3, center + 4):
+        outcomes = [fresh_trial(name, batch_size, cap, pinned=False)["fits"]
+                    for _ in range(repeats)]
+        rows.append({"batch_size": batch_size, "fits": outcomes})
+        print(f"    unpinned {name} B={batch_size}: {outcomes}", flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], flaky: list[dict] | None) -> str:
+    lines = [
+        "# `batchfit max --device cpu` vs the true maximum on a capped CPU",
+        "",
+        f"Device: fresh process, AdamW, {STEPS} steps after a warm-up at batch 1, "
+        "`RLIMIT_DATA` = VmData + cap, `MALLOC_MMAP_THRESHOLD_=131072`, `OMP_NUM_THREADS=1`. "
+        "Budget `--memory` = state (parameters + buffers + AdamW state) + cap.",
+        "",
+        "| model | cap MiB | state MiB | `--memory` B | predicted | true max | error | "
+        "live peak at max: pred / meas MiB | overhead at max MiB (% cap) | "
+        "overhead fit: fixed MiB + KiB/sample | with overhead |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        live = r["live_peak_at_true_max"]
+        fit = r["overhead_fit"]
+        at_max = r["overhead"][-1]["overhead_bytes"]
+        lines.append(
+            f"| {r['model']} | {r['cap_bytes'] / MIB:.0f} | {r['state_bytes'] / MIB:.2f} | "
+            f"{r['budget_bytes']} | {r['predicted']} | {r['true_max']} | "
+            f"{r['error_pct']:+.1f}% | {live['predicted'] / MIB:.1f} / "
+            f"{live['measured'] / MIB:.1f} | {at_max / MIB:.2f} "
+            f"({r['overhead_at_max_pct_of_cap']:.1f}%) | {fit['fixed_bytes'] / MIB:.2f} + "
+            f"{fit['per_sample_bytes'] / 1024:.1f} | {r['corrected_prediction']} |")
+    if flaky:
+        lines += ["", "Unpinned mmap threshold (glibc default), fresh processes near the "
+                  f"boundary of `{rows[0]['model']}`:", "",
+                  "| batch | fits (repeats) |", "|---|---|"]
+        lines += [f"| {f['batch_size']} | {f['fits']} |" for f in flaky]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--flakiness", action="store_true",
+                        help="also run unpinned fresh processes around the first boundary")
+    args = parser.parse_args()
+    os.environ.update(DEVICE_ENV)  # this process's zygote for the overhead runs
+    sys.path.insert(0, str(ROOT))
+    os.chdir(ROOT)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    rows = [check_model(name) for name in names]
+    flaky = flakiness(names[0], rows[0]["true_max"], rows[0]["cap_bytes"]) \
+        if args.flakiness else None
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "max_vs_true_cpu.json").write_text(
+        json.dumps({"rows": rows, "flakiness": flaky}, indent=2) + "\n")
+    text = markdown(rows, flaky)
+    (RESULTS / "max_vs_true_cpu.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

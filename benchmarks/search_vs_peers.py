@@ -1,0 +1,290 @@
+"""Issue 4's benchmark: batchfit's real-device search against Lightning's batch-size finder
+(power and binsearch) and accelerate's ``find_executable_batch_size``, on a capped CPU.
+
+Same device for everyone (see ``max_vs_true_cpu.py``): AdamW, 2 steps per trial, each
+method's process built the model and ran one warm-up step at batch 1, then
+``RLIMIT_DATA`` = VmData + cap; glibc's mmap threshold pinned, ``OMP_NUM_THREADS=1``.
+
+* batchfit: ``search_max_batch(..., device="cpu", memory_cap_bytes=cap)`` called from this
+  process; it starts its own zygote, traces the prediction and forks a fresh capped child
+  per trial. Wall time is the whole call ("cold"). A second, "warm" run reuses a running
+  :class:`~batchfit.probe.TrialServer` (what a sweep over configs pays per search).
+* Lightning: ``Tuner(trainer).scale_batch_size(module, mode=..., steps_per_trial=2,
+  init_val=2)`` in one capped process (its defaults otherwise: binsearch keeps a 5% margin).
+* accelerate: ``find_executable_batch_size(starting_batch_size=128)`` (its default) around
+  2 training steps, in one capped process.
+
+Peers' wall time is the finder call only (their imports, model build and warm-up are not
+counted). The true maximum comes from ``benchmarks/results/max_vs_true_cpu.json`` (fresh
+processes, one per batch size) when it is there for the same model and cap, else it is
+recomputed. Writes ``benchmarks/results/search_vs_peers.{md,json}``.
+
+Run: ``python benchmarks/search_vs_peers.py [--models cnn,resnet18,gpt2-tiny]``; ~12 min here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import max_vs_true_cpu as device  # noqa: E402 - the shared device and models
+
+PEERS = ("lightning-power", "lightning-binsearch", "accelerate")
+ACCELERATE_START = 128
+
+
+# --------------------------------------------------------------------------- peers (child side)
+
+
+def _capped_runner(name: str, cap: int):
+    """Build, warm up at batch 1, cap: the same start as every batchfit trial."""
+    import gc
+    import resource
+
+    import torch
+
+    from batchfit.spec import TrainConfig
+    from batchfit.step import StepRunner, make_batch
+
+    spec = device.resolve(name)
+    torch.manual_seed(0)
+    model = spec.factory()
+    config = TrainConfig(optimizer=device.OPTIMIZER, loss_fn=spec.loss_fn)
+    generator = torch.Generator().manual_seed(0)
+    runner = StepRunner(model, config, make_batch(spec.input_spec, 1, None, generator),
+                        foreach=False, generator=generator)
+    runner.train_step()
+    runner.optimizer.zero_grad(set_to_none=True)
+    runner.batch = None
+    gc.collect()
+    with open("/proc/self/status") as status:
+        vm_data = next(int(line.split()[1]) * 1024 for line in status
+                       if line.startswith("VmData:"))
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (vm_data + cap, hard))
+    return runner, spec, generator
+
+
+def _run_accelerate(name: str, cap: int) -> dict:
+    from accelerate.utils import find_executable_batch_size
+
+    from batchfit.step import make_batch
+
+    runner, spec, generator = _capped_runner(name, cap)
+    trials: list[dict] = []
+
+    @find_executable_batch_size(starting_batch_size=ACCELERATE_START)
+    def train(batch_size: int) -> int:
+        trials.append({"batch_size": batch_size, "fits": False})
+        runner.batch = make_batch(spec.input_spec, batch_size, None, generator)
+        try:
+            for _ in range(device.STEPS):
+                runner.train_step()
+        finally:
+            runner.batch = None
+        trials[-1]["fits"] = True
+        return batch_size
+
+    start = time.perf_counter()
+    answer = train()
+    return {"answer": answer, "trials": trials, "wall_s": time.perf_counter() - start}
+
+
+def _run_lightning(name: str, cap: int, mode: str) -> dict:
+    import tempfile
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.tuner import Tuner
+
+    from batchfit.step import make_batch
+
+    runner, spec, generator = _capped_runner(name, cap)
+
+    class Batches(torch.utils.data.IterableDataset):
+        def __init__(self, batch_size: int):
+            self.batch_size = batch_size
+
+        def __iter__(self):
+            for _ in range(1000):
+                yield make_batch(spec.input_spec, self.batch_size, None, generator)
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = runner.model
+            self.batch_size = 2
+            self.trials: list[dict] = []
+
+        def train_dataloader(self):
+            self.trials.append({"batch_size": self.batch_size, "steps": 0})
+            return torch.utils.data.DataLoader(Batches(self.batch_size), batch_size=None)
+
+        def training_step(self, batch, index):
+            runner.batch = batch
+            try:
+                return runner.forward_loss()
+            finally:
+                runner.batch = None
+
+        def on_train_batch_end(self, *args) -> None:
+            self.trials[-1]["steps"] += 1
+
+        def configure_optimizers(self):
+            return runner.optimizer
+
+    module = Module()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=root)
+        start = time.perf_counter()
+        try:
+            answer = Tuner(trainer).scale_batch_size(module, mode=mode,
+                                                     steps_per_trial=device.STEPS, init_val=2)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - a finder that crashes is a result too
+            answer, error = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        wall = time.perf_counter() - start
+    trials = [{"batch_size": t["batch_size"], "fits": t["steps"] >= device.STEPS}
+              for t in module.trials]
+    return {"answer": answer, "trials": trials, "wall_s": wall, "error": error}
+
+
+def run_peer_child(args: dict) -> dict:
+    if args["method"] == "accelerate":
+        return _run_accelerate(args["model"], args["cap"])
+    return _run_lightning(args["model"], args["cap"], args["method"].split("-")[1])
+
+
+def run_peer(method: str, name: str, cap: int) -> dict:
+    """A peer in its own capped process."""
+    payload = json.dumps({"method": method, "model": name, "cap": cap})
+    done = subprocess.run([sys.executable, __file__, "--peer", payload], cwd=device.ROOT,
+                          env=device.device_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"answer": None, "trials": [], "wall_s": None,
+                "error": done.stderr.strip().splitlines()[-1][:200] if done.stderr else
+                f"exit code {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- batchfit
+
+
+def run_batchfit(name: str, cap: int, server=None) -> dict:
+    from batchfit.search import search_max_batch
+
+    spec = device.resolve(name)
+    start = time.perf_counter()
+    result = search_max_batch(spec, None, device="cpu", memory_cap_bytes=cap,
+                              steps_per_trial=device.STEPS, optimizer=device.OPTIMIZER,
+                              trial_server=server)
+    wall = time.perf_counter() - start
+    return {"answer": result.max_batch_size, "wall_s": wall,
+            "trials": [{"batch_size": t.batch_size, "fits": t.fits} for t in result.trials],
+            "predicted": result.predicted_max_batch_size,
+            "recommended": result.recommended_batch_size,
+            "trial_step_s": sum(t.seconds for t in result.trials), "error": None}
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def truth_for(name: str, cap: int) -> int:
+    saved = device.RESULTS / "max_vs_true_cpu.json"
+    if saved.exists():
+        for row in json.loads(saved.read_text())["rows"]:
+            if row["model"] == name and row["cap_bytes"] == cap:
+                return row["true_max"]
+    print(f"  computing the true maximum of {name} (fresh processes)...", flush=True)
+    guess = run_batchfit(name, cap)["answer"]
+    return device.true_maximum(name, cap, guess, [])
+
+
+def largest_fit(trials: list[dict]) -> int | None:
+    return max((t["batch_size"] for t in trials if t["fits"]), default=None)
+
+
+def markdown(rows: list[dict], summary: dict) -> str:
+    lines = ["# batchfit search vs Lightning and accelerate on a capped CPU", "",
+             f"AdamW, {device.STEPS} steps per trial, `RLIMIT_DATA` cap after a warm-up at "
+             "batch 1, `MALLOC_MMAP_THRESHOLD_=131072`, `OMP_NUM_THREADS=1`. Peers: finder "
+             "call only; batchfit cold: the whole call (its zygote start-up and the "
+             "prediction's traces included); warm: with a running trial server.", "",
+             "| model | cap MiB | true max | method | trials | wall s | answer | "
+             "largest fit seen | correct |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for method, run in row["methods"].items():
+            wall = f"{run['wall_s']:.1f}" if run.get("wall_s") is not None else "-"
+            answer = run["answer"] if run.get("error") is None else f"error: {run['error']}"
+            lines.append(
+                f"| {row['model']} | {row['cap_bytes'] / device.MIB:.0f} | {row['true_max']} | "
+                f"{method} | {len(run['trials'])} | {wall} | {answer} | "
+                f"{largest_fit(run['trials'])} | {'yes' if run['answer'] == row['true_max'] else 'no'} |")
+    lines += ["", "Summary:", ""]
+    lines += [f"- {key}: {value}" for key, value in summary.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(device.MODELS))
+    parser.add_argument("--peer", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.peer:
+        print(json.dumps(run_peer_child(json.loads(args.peer))))
+        return
+    os.chdir(device.ROOT)
+    os.environ.update(device.DEVICE_ENV)  # batchfit's own zygote inherits the device setup
+    rows = []
+    for name in [n.strip() for n in args.models.split(",") if n.strip()]:
+        cap = device.MODELS[name]["cap"]
+        print(f"== {name}: cap {cap / device.MIB:.0f} MiB", flush=True)
+        truth = truth_for(name, cap)
+        methods = {"batchfit (cold)": run_batchfit(name, cap)}
+        print(f"  batchfit cold: {methods['batchfit (cold)']}", flush=True)
+        with device.trial_server(name) as server:
+            server.wait_ready()
+            methods["batchfit (warm)"] = run_batchfit(name, cap, server)
+        print(f"  batchfit warm: {methods['batchfit (warm)']}", flush=True)
+        for method in PEERS:
+            methods[method] = run_peer(method, name, cap)
+            print(f"  {method}: {methods[method]}", flush=True)
+        rows.append({"model": name, "cap_bytes": cap, "true_max": truth, "methods": methods})
+    cold = [r["methods"]["batchfit (cold)"] for r in rows]
+    warm = [r["methods"]["batchfit (warm)"] for r in rows]
+    binsearch = [r["methods"]["lightning-binsearch"] for r in rows]
+    summary = {
+        "batchfit exact every time": all(c["answer"] == r["true_max"] and
+                                         w["answer"] == r["true_max"]
+                                         for c, w, r in zip(cold, warm, rows)),
+        "batchfit mean trials": round(statistics.mean(len(c["trials"]) for c in cold + warm), 2),
+        "batchfit cold wall / Lightning binsearch wall": [
+            round(c["wall_s"] / b["wall_s"], 2) if b.get("wall_s") else None
+            for c, b in zip(cold, binsearch)],
+        "batchfit warm wall / Lightning binsearch wall": [
+            round(w["wall_s"] / b["wall_s"], 2) if b.get("wall_s") else None
+            for w, b in zip(warm, binsearch)],
+        "peers exact": {m: sum(r["methods"][m]["answer"] == r["true_max"] for r in rows)
+                        for m in PEERS},
+    }
+    device.RESULTS.mkdir(parents=True, exist_ok=True)
+    (device.RESULTS / "search_vs_peers.json").write_text(
+        json.dumps({"rows": rows, "summary": summary}, indent=2) + "\n")
+    text = markdown(rows, summary)
+    (device.RESULTS / "search_vs_peers.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

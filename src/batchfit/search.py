@@ -1,0 +1,776 @@
+"""``batchfit.search_max_batch``: the exact largest batch on the real device, in a few real steps.
+
+The analytic prediction (:func:`batchfit.max_batch_size`) says where to look; real
+trials (:mod:`batchfit.probe`) decide. The decision logic is torch-free: a search
+is a list of :class:`Outcome` (batch size, fits, measured usage), and one loop asks
+a few small strategy functions, in order, for the next batch size:
+
+1. ``_verify_step``: a failure in a process that had already failed once (in-process
+   trials, where freed memory can stay fragmented) is re-run at once in a clean state;
+   that run replaces it. So every failure the search acts on is a clean one.
+2. ``_seed_step``: the first trial, a little *below* the prediction
+   (``approach``, default 10%), so that it most likely fits and yields a measurement.
+3. ``_schedule_step``: a bisection when the bracket has not halved in two trials, so a
+   misleading model still converges in O(log range) trials.
+4. ``_model_step``: the affine usage model. Each fitting trial measures ``used_bytes``,
+   the peak of what the limit applies to; with the per-sample slope (measured between
+   two fitting trials, else the prediction's) the model solves for the largest batch
+   within the limit, and proposes it (clipped into the open bracket). When k model
+   steps in a row moved the same end of the bracket, the next candidate is pushed
+   2**(k-1) - 1 further (galloping), so a biased model still converges.
+5. ``_gallop_step``: no model (no usage measured): double from the largest fit, halve
+   from the smallest failure.
+6. ``_bisect_step``: both ends known, no model.
+
+With an accurate prediction a search takes three trials (the seed below the
+boundary, the model's answer, and the answer + 1, the only one that fails); two when
+the seed is already the answer.
+
+Why each CPU trial is a fresh process: after an out-of-memory error glibc keeps the
+freed memory in its heap, so a later, smaller batch can fail in the same process (the
+answer of an in-process search is then too small). A fork of a zygote that has only
+imported torch (:class:`batchfit.probe.TrialServer`) costs ~0.3 s, so every CPU trial
+is one; the answer is the largest batch that runs in a fresh process with the cap, by
+construction. On CUDA the trials run in the user's process (the model is there), an
+out-of-memory error is followed by ``empty_cache()``, which hands every cached segment
+back, and a failure that followed another failure is re-run before it is believed
+(approaching from below, a search rarely has a second failure).
+
+The CPU memory cap: ``memory_cap_bytes`` is what a trial may use beyond the process's
+own state after building the model and the optimizer and one warm-up step at batch 1
+(``RLIMIT_DATA`` = ``VmData`` + cap; see :mod:`batchfit.probe`). The analytic
+prediction is asked for the same thing: its CPU budget is the live state the trace
+counts at that point (parameters, buffers, optimizer state) plus the cap.
+
+glibc's dynamic mmap threshold makes a capped CPU process a poor device: once a freed
+tensor raises the threshold, later tensors of that size come from the heap, and near
+the cap the outcome depends on the heap layout. Measured on a small CNN with a 256 MiB
+cap: fresh processes fitted or failed at random anywhere between batch 88 and 101.
+So by default the trial processes pin the threshold at glibc's initial 128 KiB
+(``MALLOC_MMAP_THRESHOLD_``): every tensor of 128 KiB or more gets its own mapping and
+returns it when freed (as a CUDA allocator's large segments do), the process uses
+3-4% more than its live tensors, and the boundary is sharp and repeatable (129 fits,
+130 fails, in every fresh process). ``pin_mmap_threshold=False`` turns this off.
+
+Recommended batch size: the allocator's own overhead at the maximum (CUDA: reserved
+minus allocated; CPU: the data segment's growth minus the live tensors' growth) is
+the part of the memory that varies from run to run (allocation order, input shapes,
+kernel choice). The recommendation keeps that much free again, and never less than
+``min_headroom`` (5%) of the limit: the largest batch whose modelled usage is within
+``limit - max(overhead, min_headroom * limit)``. Without a measured limit it is
+``floor(max * (1 - min_headroom))``.
+
+Known limitations:
+    * Distributed trials (all ranks agreeing on each outcome) are not implemented.
+    * The model takes usage to be affine in the batch size near the boundary; a
+      staircase (allocator rounding) only costs extra trials, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from batchfit.errors import DoesNotFitError, InvalidInputError, UntraceableError
+from batchfit.spec import TrainConfig, make_config
+
+if TYPE_CHECKING:
+    from batchfit.probe import Trial
+
+#: The largest batch a search will try (tiny models fit absurd batches).
+DEFAULT_MAX_BATCH_LIMIT = 1 << 16
+#: glibc's initial mmap threshold; pinning it disables the dynamic threshold.
+PINNED_MMAP_THRESHOLD = 128 * 1024
+
+# --------------------------------------------------------------------------- torch-free core
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One trial as the search sees it.
+
+    Attributes:
+        batch_size: the batch size tried.
+        fits: it ran.
+        used_bytes: the measured peak of what the limit applies to (fitting trials).
+    """
+
+    batch_size: int
+    fits: bool
+    used_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class SearchPlan:
+    """What the search knows before the first trial.
+
+    Attributes:
+        predicted: the analytic prediction of the largest batch (>= 1).
+        limit_bytes: the limit ``used_bytes`` is compared with (None: no usage model).
+        bytes_per_sample: the prediction's per-sample growth near the boundary.
+        max_batch_size: never try beyond this.
+        isolated: each trial runs in a fresh process, so every failure is the truth.
+        approach: the seed is ``floor(predicted * (1 - approach))``.
+        slope_margin: inflate the predicted slope by this fraction, so the model
+            approaches from below (for in-process trials, where failures are costly).
+    """
+
+    predicted: int
+    limit_bytes: int | None = None
+    bytes_per_sample: float | None = None
+    max_batch_size: int = DEFAULT_MAX_BATCH_LIMIT
+    isolated: bool = True
+    approach: float = 0.1
+    slope_margin: float = 0.0
+
+
+@dataclass
+class SearchLog:
+    """The outcomes so far and what they imply."""
+
+    plan: SearchPlan
+    outcomes: list[Outcome] = field(default_factory=list)
+    trusted: set[int] = field(default_factory=set)  # batch sizes whose failure is settled
+    widths: list[float] = field(default_factory=list)  # bracket width after each trial
+    moves: list[str] = field(default_factory=list)  # "lower" or "upper", per trial
+    strategies: list[str] = field(default_factory=list)  # which strategy chose each trial
+
+    @property
+    def lower(self) -> int:
+        """The largest batch size that fitted (0 if none)."""
+        return max((o.batch_size for o in self.outcomes if o.fits), default=0)
+
+    @property
+    def upper(self) -> int | None:
+        """The smallest batch size above ``lower`` that failed (None if none)."""
+        lower = self.lower
+        return min((o.batch_size for o in self.outcomes if not o.fits and o.batch_size > lower),
+                   default=None)
+
+    @property
+    def failures(self) -> int:
+        return sum(not o.fits for o in self.outcomes)
+
+    @property
+    def finished(self) -> bool:
+        upper = self.upper
+        if self.lower >= self.plan.max_batch_size:
+            return True
+        return upper == self.lower + 1 and upper in self.trusted
+
+    def record(self, outcome: Outcome, *, verification: bool = False,
+               strategy: str = "") -> None:
+        earlier_failure = self.failures > 0
+        self.outcomes.append(outcome)
+        if not outcome.fits and (self.plan.isolated or verification or not earlier_failure):
+            self.trusted.add(outcome.batch_size)
+        if outcome.fits:  # a fit above a trusted failure overrules it (flaky device)
+            self.trusted -= {b for b in self.trusted if b <= outcome.batch_size}
+        self.moves.append("lower" if outcome.fits else "upper")
+        self.strategies.append(strategy)
+        upper = self.upper
+        self.widths.append(math.inf if upper is None else upper - self.lower)
+
+    def model_streak(self) -> int:
+        """How many model steps in a row, the latest trials, moved the same end."""
+        count = 0
+        for move, strategy in zip(reversed(self.moves), reversed(self.strategies)):
+            if move != self.moves[-1] or strategy != "model":
+                break
+            count += 1
+        return count
+
+
+Strategy = Callable[[SearchLog], "int | None"]
+
+
+def _verify_step(log: SearchLog) -> int | None:
+    """Re-run, in a clean state, a failure that followed another failure in one process."""
+    last = log.outcomes[-1] if log.outcomes else None
+    if last is not None and not last.fits and last.batch_size not in log.trusted:
+        return last.batch_size
+    return None
+
+
+def _seed_step(log: SearchLog) -> int | None:
+    if log.outcomes:
+        return None
+    plan = log.plan
+    return _clamp(math.floor(plan.predicted * (1 - plan.approach)), 1, plan.max_batch_size)
+
+
+def _schedule_step(log: SearchLog) -> int | None:
+    """Bisect when the closed bracket has not halved over the last two trials."""
+    upper = log.upper
+    if upper is None or log.lower == 0 or len(log.widths) < 3:
+        return None
+    if math.isinf(log.widths[-3]) or log.widths[-1] <= log.widths[-3] / 2:
+        return None
+    return (log.lower + upper) // 2
+
+
+def _slope(log: SearchLog) -> Fraction | None:
+    """Bytes per sample: measured between the two farthest fitting trials, else predicted.
+    Exact arithmetic, so an exactly affine usage lands exactly on its boundary."""
+    measured = sorted((o.batch_size, o.used_bytes) for o in log.outcomes
+                      if o.fits and o.used_bytes is not None)
+    if len(measured) >= 2:
+        (b0, u0), (b1, u1) = measured[0], measured[-1]
+        if b1 - b0 >= 2 and u1 > u0:
+            return Fraction(u1 - u0, b1 - b0)
+    plan = log.plan
+    if plan.bytes_per_sample and plan.bytes_per_sample > 0:
+        return Fraction(plan.bytes_per_sample) * (1 + Fraction(plan.slope_margin))
+    return None
+
+
+def model_batch(log: SearchLog) -> Fraction | None:
+    """The batch size at which the affine usage model reaches the limit (fractional)."""
+    limit = log.plan.limit_bytes
+    anchors = [o for o in log.outcomes if o.fits and o.used_bytes is not None]
+    slope = _slope(log)
+    if limit is None or not anchors or slope is None:
+        return None
+    anchor = max(anchors, key=lambda o: o.batch_size)
+    return anchor.batch_size + (limit - anchor.used_bytes) / slope
+
+
+def _model_step(log: SearchLog) -> int | None:
+    solved = model_batch(log)
+    if solved is None:
+        return None
+    candidate = math.floor(solved)
+    push = 2 ** log.model_streak() // 2 - 1 if log.model_streak() else 0  # 0, 0, 1, 3, 7...
+    candidate += push if log.moves[-1] == "lower" else -push
+    return _inside(log, candidate)
+
+
+def _gallop_step(log: SearchLog) -> int | None:
+    upper, lower = log.upper, log.lower
+    if upper is None:
+        return _clamp(max(2 * lower, lower + 1), 1, log.plan.max_batch_size)
+    if lower == 0:
+        return max(1, upper // 2)
+    return None
+
+
+def _bisect_step(log: SearchLog) -> int:
+    upper = log.upper
+    return (log.lower + upper) // 2 if upper is not None else log.lower + 1
+
+
+#: The order in which strategies are asked; the first that answers wins.
+STRATEGIES: tuple[Strategy, ...] = (_verify_step, _seed_step, _schedule_step, _model_step,
+                                     _gallop_step, _bisect_step)
+
+
+def _clamp(value: int, low: int, high: int) -> int:
+    return max(low, min(high, value))
+
+
+def _inside(log: SearchLog, candidate: int) -> int:
+    """``candidate`` moved into the open bracket (lower, upper), within the plan's limit."""
+    upper = log.upper
+    high = (upper - 1) if upper is not None else log.plan.max_batch_size
+    return _clamp(candidate, log.lower + 1, max(log.lower + 1, high))
+
+
+def next_step(log: SearchLog) -> tuple[int, str] | None:
+    """The next batch size to try and the strategy's name, or None when settled."""
+    if log.finished or (log.upper == 1 and 1 in log.trusted):
+        return None
+    for strategy in STRATEGIES:
+        candidate = strategy(log)
+        if candidate is not None:
+            return candidate, strategy.__name__.strip("_").removesuffix("_step")
+    raise AssertionError("the bisection step always answers")  # pragma: no cover
+
+
+def search_boundary(evaluate: Callable[[int], Outcome], plan: SearchPlan, *,
+                    verify: Callable[[int], Outcome] | None = None,
+                    max_trials: int = 64) -> SearchLog:
+    """Run the search loop with ``evaluate(batch_size) -> Outcome`` as the device.
+
+    ``verify`` re-runs a suspect failure in a clean state (a fresh process, or after the
+    allocator gave everything back); by default ``evaluate`` does. Returns the log;
+    ``log.lower`` is the answer (0: nothing fits).
+
+    Example:
+        >>> log = search_boundary(lambda b: Outcome(b, b <= 500, 1000 + 10 * b),
+        ...                       SearchPlan(predicted=520, limit_bytes=6000, bytes_per_sample=10))
+        >>> log.lower, [o.batch_size for o in log.outcomes]
+        (500, [468, 500, 501])
+    """
+    if plan.predicted < 1 or plan.max_batch_size < 1:
+        raise InvalidInputError("the prediction and the batch limit must be at least 1")
+    if not 0 <= plan.approach < 1:
+        raise InvalidInputError(f"approach {plan.approach} must be a fraction in [0, 1)")
+    log = SearchLog(plan)
+    while (step := next_step(log)) is not None:
+        batch, strategy = step
+        if len(log.outcomes) >= max_trials:
+            raise RuntimeError(f"no boundary after {max_trials} trials: the device is too "
+                               "flaky to give a largest batch")
+        verification = strategy == "verify"
+        run = verify if verification and verify is not None else evaluate
+        log.record(run(batch), verification=verification, strategy=strategy)
+    return log
+
+
+def recommended_batch(log: SearchLog, overhead_bytes: int | None, min_headroom: float) -> int:
+    """The largest batch leaving ``max(overhead, min_headroom * limit)`` of the limit free
+    (see the module docstring); never above the maximum, never below 1."""
+    answer = log.lower
+    limit = log.plan.limit_bytes
+    at_max = next((o for o in log.outcomes if o.fits and o.batch_size == answer), None)
+    slope = _slope(log)
+    if answer < 1:
+        return 0
+    if limit is None or at_max is None or at_max.used_bytes is None or not slope:
+        return max(1, math.floor(answer * (1 - min_headroom)))
+    headroom = max(overhead_bytes or 0, min_headroom * limit)
+    excess = at_max.used_bytes - (limit - headroom)
+    if excess <= 0:
+        return answer
+    return max(1, answer - math.ceil(excess / slope))
+
+
+# --------------------------------------------------------------------------- the result
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The largest batch that ran on the real device, and the evidence.
+
+    Attributes:
+        max_batch_size: the largest batch that fits: it ran, and the next one did not
+            (in a fresh process on a capped CPU). 0 never happens: nothing fitting raises.
+        recommended_batch_size: the maximum less headroom (rule in the module docstring).
+        predicted_max_batch_size: the analytic prediction the search started from.
+        prediction_error: ``(predicted - max) / max`` (positive: the prediction was high).
+        trials: every trial, in order.
+        device: ``"cpu"`` or ``"cuda:N"``.
+        memory_cap_bytes: the cap the trials ran under (None: the whole device).
+        steps_per_trial: real steps per trial.
+        seconds: wall time of the whole search (prediction included).
+        capped: True when the answer is ``max_batch_limit`` (more may fit).
+        overhead_bytes: the allocator's overhead at the maximum (see the docstring).
+    """
+
+    max_batch_size: int
+    recommended_batch_size: int
+    predicted_max_batch_size: int | None
+    prediction_error: float | None
+    trials: tuple["Trial", ...]
+    device: str
+    memory_cap_bytes: int | None
+    steps_per_trial: int
+    seconds: float
+    capped: bool = False
+    overhead_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_batch_size": self.max_batch_size,
+            "recommended_batch_size": self.recommended_batch_size,
+            "predicted_max_batch_size": self.predicted_max_batch_size,
+            "prediction_error": (None if self.prediction_error is None
+                                 else round(self.prediction_error, 6)),
+            "trials": [t.to_dict() for t in self.trials],
+            "device": self.device,
+            "memory_cap_bytes": self.memory_cap_bytes,
+            "steps_per_trial": self.steps_per_trial,
+            "seconds": round(self.seconds, 3),
+            "capped": self.capped,
+            "overhead_bytes": self.overhead_bytes,
+        }
+
+
+# --------------------------------------------------------------------------- the entry point
+
+
+def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None = None, *,
+                     device: str = "cpu", memory_cap_bytes: int | None = None,
+                     steps_per_trial: int = 2, predicted: int | None = None,
+                     optimizer: Any = None, loader: Any = None,
+                     max_batch_limit: int = DEFAULT_MAX_BATCH_LIMIT, min_headroom: float = 0.05,
+                     approach: float = 0.1, pin_mmap_threshold: bool = True,
+                     timeout_s: float | None = None,
+                     on_trial: Callable[["Trial"], None] | None = None,
+                     trial_server: Any = None, **options: Any) -> SearchResult:
+    """Find the largest batch size that trains (or infers) on the real device.
+
+    On the CPU every trial is a fresh process capped at ``memory_cap_bytes`` beyond its
+    warmed-up state; the user's model, optimizer and loader are never run here. On CUDA
+    the trials run in this process on ``model``, under
+    ``torch.cuda.set_per_process_memory_fraction`` when a cap is given, and everything
+    is restored bit-exactly afterwards (:func:`batchfit.probe.preserved_state`).
+
+    Args:
+        model: an ``nn.Module``, a factory, a :class:`~batchfit.models.ModelSpec` or a spec
+            string (``timm:resnet18``, ``path/file.py:factory``, ``package.module:function``).
+        inputs: the per-sample input spec (default: the model spec's own; with a loader and
+            no spec, the first tensor of the loader's first batch, without its batch axis).
+        config: a :class:`TrainConfig`, or its fields as ``options``.
+        device: ``"cpu"`` or ``"cuda"``/``"cuda:N"``.
+        memory_cap_bytes: CPU: bytes beyond the warmed-up state (default: the memory the
+            machine has available); CUDA: the caching allocator's limit.
+        steps_per_trial: real steps per trial (>= 2; the peak is the steady state's).
+        predicted: skip the analytic prediction and start here.
+        optimizer: the user's optimizer (CUDA: used and restored; CPU: its class and
+            hyper-parameters define the trials' optimizer).
+        loader: a data loader whose position is kept (it is never iterated, except once
+            to read the input spec when ``inputs`` is None; that read is undone).
+        max_batch_limit: never try beyond this.
+        min_headroom: the least fraction of the limit the recommendation leaves free.
+        approach: the first trial is this fraction below the prediction.
+        pin_mmap_threshold: CPU: pin glibc's mmap threshold in the trial processes (see
+            the module docstring).
+        timeout_s: a trial running longer than this raises (CPU).
+        on_trial: called with each :class:`~batchfit.probe.Trial` as it finishes.
+        trial_server: CPU: a running :class:`~batchfit.probe.TrialServer` to fork the
+            trials from, shared between searches (its environment is then the caller's
+            business, ``pin_mmap_threshold`` does not apply); by default one is started
+            for this search and stopped after it.
+
+    Raises:
+        DoesNotFitError: even batch 1 does not fit.
+        InvalidInputError: a device that does not exist, a bad cap or step count.
+
+    Example:
+        >>> import functools, torch
+        >>> factory = functools.partial(torch.nn.Linear, 256, 256)
+        >>> result = search_max_batch(factory, (256,), device="cpu",
+        ...                           memory_cap_bytes=16 * 2**20, optimizer="sgd")
+        >>> result.max_batch_size > 0 and result.trials[-1].batch_size >= result.max_batch_size
+        True
+    """
+    started = time.perf_counter()
+    config = make_config(config, options if not _is_optimizer(optimizer) else
+                         {**options, **_optimizer_options(optimizer)})
+    if isinstance(optimizer, (str, type)):  # optimizer="sgd" is a config field
+        config = make_config(config, {"optimizer": optimizer})
+        optimizer = None
+    _check_search_args(steps_per_trial, memory_cap_bytes, max_batch_limit, min_headroom)
+    target = _parse_device(device)
+    from batchfit.probe import preserved_state
+
+    user_model = model if _is_module(model) else None
+    with preserved_state(user_model, optimizer if _is_optimizer(optimizer) else None, loader,
+                         tensors=target.type != "cpu") as snapshot:
+        if inputs is None and loader is not None:
+            inputs = _inputs_from_loader(loader)
+            snapshot.restore()
+        if target.type == "cpu":
+            search = _CpuSearch(model, inputs, config, memory_cap_bytes, steps_per_trial,
+                                pin_mmap_threshold, timeout_s, trial_server)
+        else:
+            search = _CudaSearch(model, inputs, config, target, memory_cap_bytes,
+                                 steps_per_trial, optimizer, snapshot)
+        with search:
+            return search.run(predicted, max_batch_limit, approach, min_headroom, on_trial,
+                              started)
+
+
+def _check_search_args(steps: Any, cap: Any, limit: Any, headroom: Any) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise InvalidInputError(
+            f"steps per trial must be an integer >= 2, not {steps!r}: step 1 may create the "
+            "optimizer state, the steady-state peak is measured from step 2 on")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
+        raise InvalidInputError(f"memory cap must be a positive number of bytes, not {cap!r}")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidInputError(f"max_batch_limit must be a positive integer, not {limit!r}")
+    if not 0 <= headroom < 1:
+        raise InvalidInputError(f"min_headroom {headroom} must be a fraction in [0, 1)")
+
+
+def _parse_device(device: Any):
+    import re
+
+    import torch
+
+    text = str(device).strip().lower()
+    if text == "cpu":
+        return torch.device("cpu")
+    if not re.fullmatch(r"cuda(:\d+)?", text):
+        raise InvalidInputError(f"unknown device {device!r}: use cpu or cuda:N (e.g. cuda:0)")
+    index = int(text.partition(":")[2] or 0)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= count:
+        raise InvalidInputError(
+            f"device {device!r} does not exist: this machine has {count} CUDA device(s)"
+            + ("" if count else "; use --device cpu"))
+    return torch.device("cuda", index)
+
+
+def _is_module(value: Any) -> bool:
+    from torch import nn
+
+    return isinstance(value, nn.Module)
+
+
+def _is_optimizer(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.optim.Optimizer)
+
+
+def _optimizer_options(optimizer: Any) -> dict[str, Any]:
+    """The config fields that rebuild ``optimizer`` in a fresh process: its class and the
+    hyper-parameters of its first param group."""
+    kwargs = {k: v for k, v in optimizer.defaults.items()
+              if k not in ("differentiable", "capturable", "foreach", "fused")
+              or v not in (False, None)}
+    return {"optimizer": type(optimizer), "optimizer_kwargs": kwargs}
+
+
+def _inputs_from_loader(loader: Any) -> Any:
+    import torch
+
+    batch = next(iter(loader))
+    if isinstance(batch, (tuple, list)):
+        batch = batch[0]
+    if isinstance(batch, dict):
+        return {k: v[0] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    if isinstance(batch, torch.Tensor):
+        return batch[0]
+    raise InvalidInputError(
+        f"cannot read an input spec from a {type(batch).__name__} batch: give inputs")
+
+
+def _machine_memory() -> tuple[int, int]:
+    """(MemTotal, MemAvailable) in bytes."""
+    found: dict[str, int] = {}
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            key, _, value = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                found[key] = int(value.split()[0]) * 1024
+    return found["MemTotal"], found.get("MemAvailable", found["MemTotal"])
+
+
+class _Search:
+    """What differs between devices: how a trial runs and what the prediction's budget is."""
+
+    steps: int
+
+    def __enter__(self) -> "_Search":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def predict(self) -> tuple[int | None, float | None, int | None]:
+        """(predicted max batch, bytes per sample near it, bytes needed at batch 1)."""
+        raise NotImplementedError
+
+    def trial(self, batch_size: int) -> "Trial":
+        raise NotImplementedError
+
+    limit_bytes: int | None = None
+    device_name: str = "cpu"
+    cap_bytes: int | None = None
+    isolated: bool = True
+    usage_is_growth: bool = True
+
+    def run(self, predicted: int | None, max_batch_limit: int, approach: float,
+            min_headroom: float, on_trial: Callable[["Trial"], None] | None,
+            started: float) -> SearchResult:
+        needed = None
+        per_sample = None
+        if predicted is None:
+            predicted, per_sample, needed = self.predict()
+        trials: list[Trial] = []
+
+        def evaluate(batch_size: int) -> Outcome:
+            trial = self.trial(batch_size)
+            trials.append(trial)
+            if on_trial is not None:
+                on_trial(trial)
+            return Outcome(batch_size, trial.fits, trial.used_bytes)
+
+        plan = SearchPlan(
+            predicted=_clamp(predicted or 1, 1, max_batch_limit),
+            limit_bytes=self.limit_bytes, bytes_per_sample=per_sample,
+            max_batch_size=max_batch_limit, isolated=self.isolated,
+            approach=approach if predicted else 0.0,
+            slope_margin=0.0 if self.isolated else 0.02)
+        log = search_boundary(evaluate, plan)
+        answer = log.lower
+        if answer == 0:
+            first = next(t for t in trials if t.batch_size == 1)
+            raise DoesNotFitError(
+                f"even batch 1 does not fit on {self.device_name}"
+                + (f" with a cap of {self.cap_bytes} B" if self.cap_bytes else "")
+                + f": {first.error}", needed_bytes=needed or 0,
+                available_bytes=self.cap_bytes or self.limit_bytes or 0)
+        overhead = _overhead(next(t for t in reversed(trials)
+                                  if t.fits and t.batch_size == answer), self.usage_is_growth)
+        return SearchResult(
+            max_batch_size=answer,
+            recommended_batch_size=recommended_batch(log, overhead, min_headroom),
+            predicted_max_batch_size=predicted,
+            prediction_error=(predicted - answer) / answer if predicted else None,
+            trials=tuple(trials), device=self.device_name, memory_cap_bytes=self.cap_bytes,
+            steps_per_trial=self.steps, seconds=time.perf_counter() - started,
+            capped=answer >= max_batch_limit, overhead_bytes=overhead)
+
+
+def _overhead(trial: "Trial", usage_is_growth: bool) -> int | None:
+    """Memory the allocator held beyond live tensors at the trial's peak: CPU usage is
+    the growth over the warmed-up state, CUDA usage (reserved) is absolute."""
+    if trial.used_bytes is None or trial.peak_bytes is None:
+        return None
+    live = trial.peak_bytes - ((trial.baseline_bytes or 0) if usage_is_growth else 0)
+    return max(0, trial.used_bytes - live)
+
+
+class _CpuSearch(_Search):
+    """Every trial in a fresh process forked from a zygote, capped with RLIMIT_DATA."""
+
+    def __init__(self, model: Any, inputs: Any, config: TrainConfig, cap_bytes: int | None,
+                 steps: int, pin_mmap_threshold: bool, timeout_s: float | None,
+                 server: Any = None):
+        import os
+
+        from batchfit.probe import TrialServer, preloads_for, factory_of, model_source, trial_request
+
+        total, available = _machine_memory()
+        if cap_bytes is not None and cap_bytes > total:
+            raise InvalidInputError(
+                f"memory cap {cap_bytes} B is larger than this machine's {total} B of memory")
+        self.cap_bytes = cap_bytes if cap_bytes is not None else available
+        self.limit_bytes = self.cap_bytes
+        self.model, self.config, self.steps, self.timeout_s = model, config, steps, timeout_s
+        self.source, spec_inputs, loss_fn = model_source(model)
+        self.factory = factory_of(self.source)  # what the trace in this process builds
+        self.inputs = inputs if inputs is not None else spec_inputs
+        if self.inputs is None:
+            raise InvalidInputError("no input spec: give inputs, e.g. (3, 224, 224)")
+        if loss_fn is not None and config.loss_fn is None:
+            from dataclasses import replace
+
+            self.config = replace(config, loss_fn=loss_fn)
+        self.request = trial_request(self.source, self.inputs, 1, self.config, self.cap_bytes,
+                                     steps)
+        self.owns_server = server is None
+        if server is None:
+            environment = dict(os.environ)
+            if pin_mmap_threshold:
+                environment.setdefault("MALLOC_MMAP_THRESHOLD_", str(PINNED_MMAP_THRESHOLD))
+            server = TrialServer(preloads_for(self.source), env=environment)
+        self.server = server
+        self.server.prepare(self.request)  # the first child warms up during the prediction
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.owns_server:
+            self.server.close()
+
+    def predict(self) -> tuple[int | None, float | None, int | None]:
+        from batchfit import Category
+        from batchfit.maxbatch import max_batch_size
+        from batchfit.predict import estimate
+        from batchfit.solve import NothingFits
+
+        try:
+            at_one = estimate(self.factory, self.inputs, 1, self.config, device="cpu")
+        except UntraceableError:
+            return None, None, None
+        state = sum(at_one.by_category.get(c, 0) for c in
+                    (Category.PARAMETERS, Category.BUFFERS, Category.OPTIMIZER_STATE))
+        try:
+            result = max_batch_size(self.factory, self.inputs, self.config, device="cpu",
+                                    memory_bytes=state + self.cap_bytes)
+        except NothingFits:
+            return 1, None, at_one.peak_allocated_bytes - state
+        per_sample = None
+        if result.total_bytes_at_next is not None:
+            per_sample = float(result.total_bytes_at_next - result.total_bytes_at_max)
+        return result.max_batch_size, per_sample or None, at_one.peak_allocated_bytes - state
+
+    def trial(self, batch_size: int) -> "Trial":
+        from dataclasses import replace
+
+        return self.server.run(replace(self.request, batch_size=batch_size),
+                               timeout_s=self.timeout_s)
+
+
+class _CudaSearch(_Search):
+    """Trials in this process on the user's model, state restored after each."""
+
+    isolated = False
+    usage_is_growth = False
+
+    def __init__(self, model: Any, inputs: Any, config: TrainConfig, device: Any,
+                 cap_bytes: int | None, steps: int, optimizer: Any, snapshot: Any):
+        import contextlib
+
+        import torch
+
+        from batchfit.probe import _checked_module, _StepSetup, cuda_memory_cap, model_source
+
+        source, spec_inputs, loss_fn = model_source(model)
+        self.inputs = inputs if inputs is not None else spec_inputs
+        if self.inputs is None:
+            raise InvalidInputError("no input spec: give inputs, e.g. (3, 224, 224)")
+        if loss_fn is not None and config.loss_fn is None:
+            from dataclasses import replace
+
+            config = replace(config, loss_fn=loss_fn)
+        self.config, self.steps, self.device = config, steps, device
+        self.device_name = str(device)
+        self.optimizer = optimizer if _is_optimizer(optimizer) else None
+        self.snapshot = snapshot
+        if _is_module(source):
+            self.model = source
+        else:
+            setup = _StepSetup.of(self.inputs, config, device)
+            with torch.device("cpu"):
+                self.model = setup.prepare(_checked_module(source()))
+        self.cap_bytes = cap_bytes
+        self._cap = contextlib.ExitStack()
+        self._cap.enter_context(cuda_memory_cap(device, cap_bytes))
+        free, _ = torch.cuda.mem_get_info(device)
+        self.limit_bytes = cap_bytes if cap_bytes is not None else \
+            free + torch.cuda.memory_reserved(device)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._cap.close()
+
+    def predict(self) -> tuple[int | None, float | None, int | None]:
+        from batchfit.catalog import live_gpu
+        from batchfit.device import gpu_profile
+        from batchfit.maxbatch import max_batch_size
+        from batchfit.solve import NothingFits
+
+        profile = gpu_profile(live_gpu(self.device.index or 0))
+        memory = self.limit_bytes + profile.context_bytes
+        try:
+            result = max_batch_size(self.model, self.inputs, self.config, device=profile,
+                                    memory_bytes=memory)
+        except NothingFits as exc:
+            return 1, None, exc.needed_bytes
+        except UntraceableError:
+            return None, None, None
+        per_sample = None
+        if result.total_bytes_at_next is not None:
+            per_sample = float(result.total_bytes_at_next - result.total_bytes_at_max)
+        return result.max_batch_size, per_sample or None, None
+
+    def trial(self, batch_size: int) -> "Trial":
+        from batchfit.probe import run_trial
+
+        try:
+            return run_trial(self.model, self.inputs, batch_size, self.config,
+                             optimizer=self.optimizer, steps=self.steps, device=self.device)
+        finally:
+            self.snapshot.restore()
+
+
+def summarize_trials(trials: Sequence["Trial"]) -> str:
+    """``"96 ok, 130 OOM, 129 ok"``: a one-line history for logs and reports."""
+    return ", ".join(f"{t.batch_size} {'ok' if t.fits else 'OOM'}" for t in trials)
