@@ -10,7 +10,9 @@ see :mod:`batchfit.search` for why: unpinned, the outcome near the cap is random
 ``OMP_NUM_THREADS=1`` (this 2-core machine is shared; one thread keeps step times steady).
 
 The true maximum: bisection over B with one fresh process per B (this file's own child
-code, independent of :mod:`batchfit.probe`), then B-1, B+1 and B+2 re-checked.
+code, independent of :mod:`batchfit.probe`); then the boundary B and B+1 are re-run to
+three fresh processes each: the truth is the largest B that fitted in every run (a B+1
+that fitted in some runs is reported as flaky), and B-1 and B+2 are checked once.
 
 The budget that corresponds to the cap: the cap is what the step may use *beyond* the
 process's state after warm-up; the CPU prediction counts live tensor bytes including
@@ -48,7 +50,7 @@ DEVICE_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
 #: name -> how to build it (as resolve_model takes it) and the cap of the device.
 MODELS = {
     "cnn": {"spec": "benchmarks/max_vs_true_cpu.py:small_cnn", "cap": 128 * MIB},
-    "resnet18": {"spec": "timm:resnet18", "input_shape": [3, 64, 64], "cap": 64 * MIB},
+    "resnet18": {"spec": "timm:resnet18", "input_shape": [3, 64, 64], "cap": 128 * MIB},
     "gpt2-tiny": {"spec": "hf:gpt2", "seq_len": 64, "cap": 128 * MIB,
                   "model_kwargs": {"n_layer": 2, "n_embd": 128, "n_head": 4,
                                    "vocab_size": 2048, "bos_token_id": 0, "eos_token_id": 0}},
@@ -144,44 +146,72 @@ def fresh_trial(name: str, batch_size: int, cap: int, *, pinned: bool = True) ->
     args = {k: entry[k] for k in ("spec", "model_kwargs", "seq_len", "input_shape") if k in entry}
     args.update(batch_size=batch_size, cap=cap, steps=STEPS, optimizer=OPTIMIZER)
     done = subprocess.run([sys.executable, "-c", TRUTH_CHILD, json.dumps(args)], cwd=ROOT,
-                          env=device_env(pinned), capture_output=True, text=True)
+                          env=device_env(pinned), capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"truth run failed for {name} at {batch_size}:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def true_maximum(name: str, cap: int, guess: int, log: list[dict]) -> int:
-    """Bisection with one fresh process per batch size, then the neighbours re-checked."""
-    cache: dict[int, bool] = {}
+#: Fresh runs a batch needs, all fitting, to count as fitting (and that its successor gets).
+REPEATS = 3
+
+
+def true_maximum(name: str, cap: int, guess: int, log: list[dict], *,
+                 pinned: bool = True) -> int:
+    """The largest batch that fits in every one of ``REPEATS`` fresh processes.
+
+    Bisection with one fresh process per batch size, then the boundary re-run: a batch
+    that fails in any run does not count, and a successor that fits in some runs is
+    recorded as flaky (``log`` holds every run). Then B-1 and B+2 are checked once.
+    """
+    runs: dict[int, list[bool]] = {}
 
     def fits(batch_size: int) -> bool:
-        if batch_size not in cache:
-            run = fresh_trial(name, batch_size, cap)
-            log.append(run)
-            cache[batch_size] = run["fits"]
-            print(f"    fresh {name} B={batch_size}: {'fits' if run['fits'] else 'OOM'}",
-                  flush=True)
-        return cache[batch_size]
+        run = fresh_trial(name, batch_size, cap, pinned=pinned)
+        log.append(run)
+        runs.setdefault(batch_size, []).append(run["fits"])
+        print(f"    fresh {name} B={batch_size}: {'fits' if run['fits'] else 'OOM'}", flush=True)
+        return run["fits"]
+
+    def first(batch_size: int) -> bool:
+        return runs[batch_size][0] if batch_size in runs else fits(batch_size)
 
     lo, hi = max(1, guess // 2), max(2, 2 * guess)
-    while not fits(lo):
+    while not first(lo):
         lo, hi = max(1, lo // 2), lo
-        if lo == 1 and not fits(1):
+        if lo == 1 and not first(1):
             return 0
-    while fits(hi):
+    while first(hi):
         lo, hi = hi, 2 * hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if fits(mid):
+        if first(mid):
             lo = mid
         else:
             hi = mid
+    def fits_every_time(batch_size: int) -> bool:
+        while len(runs.get(batch_size, [])) < REPEATS:
+            fits(batch_size)
+        return all(runs[batch_size])
+
+    while lo >= 1 and not fits_every_time(lo):
+        lo -= 1  # it failed in some fresh process: the truth is below
+    while fits_every_time(lo + 1):  # never happens when fits() is repeatable
+        lo += 1
     for neighbour in (lo - 1, lo + 2):  # local monotonicity around the boundary
-        if neighbour >= 1:
-            expected = neighbour < lo
-            if fits(neighbour) != expected:
-                raise RuntimeError(f"{name}: fits({neighbour}) is not monotone around {lo}")
+        if neighbour >= 1 and first(neighbour) != (neighbour < lo):
+            if not pinned:  # expected there: the point of the flakiness check
+                return lo
+            raise RuntimeError(f"{name}: fits({neighbour}) is not monotone around {lo}")
     return lo
+
+
+def flaky_batches(log: list[dict]) -> dict[int, list[bool]]:
+    """Batch sizes that fitted in some fresh runs and not in others."""
+    outcomes: dict[int, list[bool]] = {}
+    for run in log:
+        outcomes.setdefault(run["batch_size"], []).append(run["fits"])
+    return {b: o for b, o in sorted(outcomes.items()) if len(set(o)) > 1}
 
 
 # --------------------------------------------------------------------------- prediction
@@ -211,7 +241,7 @@ def cli_prediction(name: str, budget: int) -> dict:
     for key, value in entry.get("model_kwargs", {}).items():
         command += ["--model-kwargs", f"{key}={value}"]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"batchfit max failed for {name}: {done.stderr[-1000:]}")
     data = json.loads(done.stdout)
@@ -305,6 +335,7 @@ def check_model(name: str) -> dict:
         "overhead_at_max_pct_of_cap": 100.0 * at_max["overhead_bytes"] / cap,
         "corrected_prediction": corrected,
         "fresh_runs": runs, "truth_s": round(truth_s, 1),
+        "flaky": {str(b): o for b, o in flaky_batches(runs).items()},
     }
     print(f"  true max {truth} ({len(runs)} fresh runs, {truth_s:.0f} s); overhead at max "
           f"{at_max['overhead_bytes'] / MIB:.2f} MiB; corrected prediction {corrected}",
@@ -312,10 +343,12 @@ def check_model(name: str) -> dict:
     return row
 
 
-def flakiness(name: str, center: int, cap: int, repeats: int = 2) -> list[dict]:
-    """Fresh processes around the boundary with glibc's default (dynamic) mmap threshold."""
+def flakiness(name: str, guess: int, cap: int, repeats: int = 2) -> list[dict]:
+    """Fresh processes with glibc's default (dynamic) mmap threshold: a bisection finds
+    one boundary, then each batch around it runs ``repeats`` more times."""
+    center = true_maximum(name, cap, guess, [], pinned=False)
     rows = []
-    for batch_size in range(center - 3, center + 4):
+    for batch_size in range(max(1, center - 3), center + 4):
         outcomes = [fresh_trial(name, batch_size, cap, pinned=False)["fits"]
                     for _ in range(repeats)]
         rows.append({"batch_size": batch_size, "fits": outcomes})
@@ -323,7 +356,7 @@ def flakiness(name: str, center: int, cap: int, repeats: int = 2) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], flaky: list[dict] | None) -> str:
+def markdown(rows: list[dict], flaky: dict | None) -> str:
     lines = [
         "# `batchfit max --device cpu` vs the true maximum on a capped CPU",
         "",
@@ -333,8 +366,8 @@ def markdown(rows: list[dict], flaky: list[dict] | None) -> str:
         "",
         "| model | cap MiB | state MiB | `--memory` B | predicted | true max | error | "
         "live peak at max: pred / meas MiB | overhead at max MiB (% cap) | "
-        "overhead fit: fixed MiB + KiB/sample | with overhead |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "overhead fit: fixed MiB + KiB/sample | with overhead | flaky (fits in runs) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         live = r["live_peak_at_true_max"]
@@ -346,12 +379,15 @@ def markdown(rows: list[dict], flaky: list[dict] | None) -> str:
             f"{r['error_pct']:+.1f}% | {live['predicted'] / MIB:.1f} / "
             f"{live['measured'] / MIB:.1f} | {at_max / MIB:.2f} "
             f"({r['overhead_at_max_pct_of_cap']:.1f}%) | {fit['fixed_bytes'] / MIB:.2f} + "
-            f"{fit['per_sample_bytes'] / 1024:.1f} | {r['corrected_prediction']} |")
+            f"{fit['per_sample_bytes'] / 1024:.1f} | {r['corrected_prediction']} | "
+            + (", ".join(f"{b}: {sum(o)}/{len(o)}" for b, o in r.get("flaky", {}).items())
+               or "none") + " |")
     if flaky:
-        lines += ["", "Unpinned mmap threshold (glibc default), fresh processes near the "
-                  f"boundary of `{rows[0]['model']}`:", "",
+        lines += ["", "Unpinned mmap threshold (glibc default), fresh processes around an "
+                  f"unpinned boundary of `{flaky['model']}` (cap "
+                  f"{flaky['cap_bytes'] / MIB:.0f} MiB):", "",
                   "| batch | fits (repeats) |", "|---|---|"]
-        lines += [f"| {f['batch_size']} | {f['fits']} |" for f in flaky]
+        lines += [f"| {f['batch_size']} | {f['fits']} |" for f in flaky["rows"]]
     return "\n".join(lines) + "\n"
 
 
@@ -366,11 +402,19 @@ def main() -> None:
     os.chdir(ROOT)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     rows = [check_model(name) for name in names]
-    flaky = flakiness(names[0], rows[0]["true_max"], rows[0]["cap_bytes"]) \
-        if args.flakiness else None
+    flaky = None
+    if args.flakiness:
+        flaky = {"model": names[0], "cap_bytes": rows[0]["cap_bytes"],
+                 "rows": flakiness(names[0], rows[0]["true_max"], rows[0]["cap_bytes"])}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "max_vs_true_cpu.json").write_text(
-        json.dumps({"rows": rows, "flakiness": flaky}, indent=2) + "\n")
+    saved = RESULTS / "max_vs_true_cpu.json"
+    if saved.exists():  # keep the rows of models not re-run this time
+        old = json.loads(saved.read_text())
+        rows = [r for r in old["rows"] if r["model"] not in names and r["model"] in MODELS] + rows
+        rows.sort(key=lambda r: list(MODELS).index(r["model"]))
+        if flaky is None and isinstance(old.get("flakiness"), dict):
+            flaky = old["flakiness"]
+    saved.write_text(json.dumps({"rows": rows, "flakiness": flaky}, indent=2) + "\n")
     text = markdown(rows, flaky)
     (RESULTS / "max_vs_true_cpu.md").write_text(text)
     print(text)

@@ -15,7 +15,9 @@ method's process built the model and ran one warm-up step at batch 1, then
   2 training steps, in one capped process.
 
 Peers' wall time is the finder call only (their imports, model build and warm-up are not
-counted). The true maximum comes from ``benchmarks/results/max_vs_true_cpu.json`` (fresh
+counted). Lightning's trials are read from its ``train_dataloader()`` calls, one per
+trial, plus the one or two resets after the search (restoring the found size), which
+are listed (and counted) too. The true maximum comes from ``benchmarks/results/max_vs_true_cpu.json`` (fresh
 processes, one per batch size) when it is there for the same model and cap, else it is
 recomputed. Writes ``benchmarks/results/search_vs_peers.{md,json}``.
 
@@ -35,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import max_vs_true_cpu as device  # noqa: E402 - the shared device and models
+import max_vs_true_cpu as device
 
 PEERS = ("lightning-power", "lightning-binsearch", "accelerate")
 ACCELERATE_START = 128
@@ -169,7 +171,7 @@ def run_peer(method: str, name: str, cap: int) -> dict:
     """A peer in its own capped process."""
     payload = json.dumps({"method": method, "model": name, "cap": cap})
     done = subprocess.run([sys.executable, __file__, "--peer", payload], cwd=device.ROOT,
-                          env=device.device_env(), capture_output=True, text=True)
+                          env=device.device_env(), capture_output=True, text=True, check=False)
     if done.returncode != 0:
         return {"answer": None, "trials": [], "wall_s": None,
                 "error": done.stderr.strip().splitlines()[-1][:200] if done.stderr else
@@ -199,15 +201,24 @@ def run_batchfit(name: str, cap: int, server=None) -> dict:
 # --------------------------------------------------------------------------- the table
 
 
-def truth_for(name: str, cap: int) -> int:
+def truth_for(name: str, cap: int) -> tuple[int, list[int]]:
+    """The true maximum and the batch sizes that fitted in only some fresh processes."""
     saved = device.RESULTS / "max_vs_true_cpu.json"
     if saved.exists():
         for row in json.loads(saved.read_text())["rows"]:
             if row["model"] == name and row["cap_bytes"] == cap:
-                return row["true_max"]
+                return row["true_max"], [int(b) for b in row.get("flaky", {})]
     print(f"  computing the true maximum of {name} (fresh processes)...", flush=True)
     guess = run_batchfit(name, cap)["answer"]
-    return device.true_maximum(name, cap, guess, [])
+    log: list[dict] = []
+    truth = device.true_maximum(name, cap, guess, log)
+    return truth, list(device.flaky_batches(log))
+
+
+def verdict(answer: int | None, truth: int, flaky: list[int]) -> str:
+    if answer == truth:
+        return "yes"
+    return "flaky batch" if answer in flaky else "no"
 
 
 def largest_fit(trials: list[dict]) -> int | None:
@@ -220,17 +231,19 @@ def markdown(rows: list[dict], summary: dict) -> str:
              "batch 1, `MALLOC_MMAP_THRESHOLD_=131072`, `OMP_NUM_THREADS=1`. Peers: finder "
              "call only; batchfit cold: the whole call (its zygote start-up and the "
              "prediction's traces included); warm: with a running trial server.", "",
-             "| model | cap MiB | true max | method | trials | wall s | answer | "
+             "| model | cap MiB | true max (flaky) | method | trials | wall s | answer | "
              "largest fit seen | correct |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         for method, run in row["methods"].items():
             wall = f"{run['wall_s']:.1f}" if run.get("wall_s") is not None else "-"
             answer = run["answer"] if run.get("error") is None else f"error: {run['error']}"
+            flaky = f" ({', '.join(map(str, row['flaky']))})" if row["flaky"] else ""
             lines.append(
-                f"| {row['model']} | {row['cap_bytes'] / device.MIB:.0f} | {row['true_max']} | "
-                f"{method} | {len(run['trials'])} | {wall} | {answer} | "
-                f"{largest_fit(run['trials'])} | {'yes' if run['answer'] == row['true_max'] else 'no'} |")
+                f"| {row['model']} | {row['cap_bytes'] / device.MIB:.0f} | "
+                f"{row['true_max']}{flaky} | {method} | {len(run['trials'])} | {wall} | "
+                f"{answer} | {largest_fit(run['trials'])} | "
+                f"{verdict(run['answer'], row['true_max'], row['flaky'])} |")
     lines += ["", "Summary:", ""]
     lines += [f"- {key}: {value}" for key, value in summary.items()]
     return "\n".join(lines) + "\n"
@@ -250,7 +263,7 @@ def main() -> None:
     for name in [n.strip() for n in args.models.split(",") if n.strip()]:
         cap = device.MODELS[name]["cap"]
         print(f"== {name}: cap {cap / device.MIB:.0f} MiB", flush=True)
-        truth = truth_for(name, cap)
+        truth, flaky = truth_for(name, cap)
         methods = {"batchfit (cold)": run_batchfit(name, cap)}
         print(f"  batchfit cold: {methods['batchfit (cold)']}", flush=True)
         with device.trial_server(name) as server:
@@ -260,7 +273,8 @@ def main() -> None:
         for method in PEERS:
             methods[method] = run_peer(method, name, cap)
             print(f"  {method}: {methods[method]}", flush=True)
-        rows.append({"model": name, "cap_bytes": cap, "true_max": truth, "methods": methods})
+        rows.append({"model": name, "cap_bytes": cap, "true_max": truth, "flaky": flaky,
+                     "methods": methods})
     cold = [r["methods"]["batchfit (cold)"] for r in rows]
     warm = [r["methods"]["batchfit (warm)"] for r in rows]
     binsearch = [r["methods"]["lightning-binsearch"] for r in rows]
@@ -275,6 +289,9 @@ def main() -> None:
         "batchfit warm wall / Lightning binsearch wall": [
             round(w["wall_s"] / b["wall_s"], 2) if b.get("wall_s") else None
             for w, b in zip(warm, binsearch)],
+        "batchfit answers on a flaky batch": sum(
+            verdict(run["answer"], r["true_max"], r["flaky"]) == "flaky batch"
+            for r in rows for m, run in r["methods"].items() if m.startswith("batchfit")),
         "peers exact": {m: sum(r["methods"][m]["answer"] == r["true_max"] for r in rows)
                         for m in PEERS},
     }

@@ -48,8 +48,11 @@ def boundary_device(true_max: int):
     return lambda batch_size: Outcome(batch_size, batch_size <= true_max)
 
 
+ANY_FACTOR = st.floats(0.25, 4.0)
+
+
 @st.composite
-def devices(draw, factor=st.floats(0.25, 4.0)):
+def devices(draw, factor=ANY_FACTOR):
     """(true max T, intercept, per-sample bytes, limit, prediction): limit chosen so that T
     is the boundary by construction: T fits, T + 1 is over by at least one byte."""
     true_max = draw(st.integers(1, 5000))

@@ -29,6 +29,11 @@ _LAZY = {
     "max_batch_size": "batchfit.maxbatch",
     "max_seq_len": "batchfit.maxbatch",
     "MaxBatchResult": "batchfit.maxbatch",
+    "search_max_batch": "batchfit.search",
+    "SearchResult": "batchfit.search",
+    "bench": "batchfit.throughput",
+    "BenchResult": "batchfit.throughput",
+    "predict_throughput": "batchfit.roofline",
 }
 
 __all__ = [

@@ -26,12 +26,19 @@ and the guard pages of new threads, none of which is memory the step uses.
 ``RLIMIT_RSS`` is ignored by Linux.
 
 Fresh processes come from a :class:`TrialServer`: a zygote interpreter started with
-``python -c`` that imports torch and the model's libraries once, then forks one child
-per trial. A child is a fresh process as far as memory goes (its heap is the zygote's
-after the imports, nothing else), but starts in milliseconds instead of the 3-7 s an
-``import torch`` (+ timm) costs here. The zygote never runs a torch op with more than
-one thread (GNU OpenMP does not survive a fork after a parallel region: the child
-hangs), and each child restores the parent's thread count before building the model.
+``python -c`` that imports torch and the model's own library once, then forks one child
+per trial, which builds the model, warms up and waits for its batch size (one child is
+kept prepared ahead, so that work overlaps the caller's prediction or the previous
+trial). A child's memory history is that of a fresh process that imported the same
+libraries and did the same work: measured at a boundary with 144 KiB to spare, the
+child and an independent ``python -c`` process needed the same data segment to the
+byte. What breaks that equivalence is importing more in the zygote: ``torch._dynamo``
+(a fresh process imports it when it builds its first optimizer, after the model) or
+libraries the model does not use each cost one batch there. A fresh interpreter costs
+7-10 s on this machine (``import torch``, then ``torch._dynamo``); a child about
+0.3 s plus its model's set-up. The zygote never runs a torch op with more than one
+thread (GNU OpenMP does not survive a fork after a parallel region: the child hangs),
+and each child restores the caller's thread count before building the model.
 
 Measurement (``Trial.peak_bytes``, ``Trial.used_bytes``):
 
@@ -71,8 +78,9 @@ import time
 import traceback
 import types
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
@@ -221,7 +229,7 @@ class StateSnapshot:
 
     @classmethod
     def take(cls, model: nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
-             loader: Any = None, *, tensors: bool = True) -> "StateSnapshot":
+             loader: Any = None, *, tensors: bool = True) -> StateSnapshot:
         slots: list[tuple[nn.Module, str, str, torch.Tensor | None]] = []
         objects: dict[int, torch.Tensor] = {}
         training: list[tuple[nn.Module, bool]] = []
@@ -470,11 +478,11 @@ class _UsageTracker:
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 
-    def __enter__(self) -> "_UsageTracker":
+    def __enter__(self) -> _UsageTracker:
         self._interceptor.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._interceptor.__exit__(*exc)
         if self._segment is not None:
             self._segment.close()
@@ -515,14 +523,14 @@ class _StepSetup:
     autocast: Callable[[], Any] | None
 
     @classmethod
-    def of(cls, inputs: Any, config: TrainConfig, device: torch.device) -> "_StepSetup":
+    def of(cls, inputs: Any, config: TrainConfig, device: torch.device) -> _StepSetup:
         precision = config.precision
         weight = precision.weight_dtype
         float_dtype = None if weight == "float32" else torch_dtype(weight)
         autocast = None
         if precision.autocast_dtype:
             amp_dtype = torch_dtype(precision.autocast_dtype)
-            autocast = lambda: torch.autocast(device.type, dtype=amp_dtype)  # noqa: E731
+            autocast = lambda: torch.autocast(device.type, dtype=amp_dtype)
         return cls(normalize_input_spec(inputs), config, device, float_dtype, autocast)
 
     def batch(self, batch_size: int, generator: torch.Generator) -> tuple[tuple, dict]:
@@ -658,7 +666,7 @@ def _trial_in_process(model: nn.Module, setup: _StepSetup, batch_size: int, step
     error = None
     try:
         peak = _run_steps(runner, setup, batch_size, steps, generator, tracker)
-    except Exception as exc:  # noqa: BLE001 - everything but out-of-memory is re-raised
+    except Exception as exc:
         if not is_out_of_memory(exc):
             raise
         error = _one_line(exc)
@@ -759,7 +767,7 @@ def model_source(model: Any) -> tuple[Any, Any, Any]:
 def _check_picklable(request: TrialRequest) -> bytes:
     try:
         return request.preparation()
-    except Exception as exc:  # noqa: BLE001 - pickling can fail in many ways
+    except Exception as exc:
         raise InvalidInputError(
             f"the model cannot be sent to a fresh process ({type(exc).__name__}: "
             f"{_one_line(exc, 120)}): give a module-level function, a functools.partial, "
@@ -808,7 +816,7 @@ def trial_request(model: Any, inputs: Any, batch_size: int, config: TrainConfig,
 
 def run_trial_subprocess(model: Any, inputs: Any, batch_size: int,
                          config: TrainConfig | None = None, cap_bytes: int | None = None,
-                         steps: int = 2, *, server: "TrialServer | None" = None,
+                         steps: int = 2, *, server: TrialServer | None = None,
                          timeout_s: float | None = None, **options: Any) -> Trial:
     """Run one trial in a fresh process whose memory is capped ``cap_bytes`` above its
     state after a warm-up step.
@@ -962,10 +970,10 @@ class TrialServer:
                 self._process.kill()
                 self._process.wait()
 
-    def __enter__(self) -> "TrialServer":
+    def __enter__(self) -> TrialServer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -1013,10 +1021,10 @@ class _Child:
 
     def collect(self) -> tuple[list[Any], int]:
         messages = []
-        with os.fdopen(self.output, "rb") as pipe:
-            with contextlib.suppress(EOFError, pickle.UnpicklingError):
-                while True:
-                    messages.append(pickle.loads(_unframe(pipe)))
+        with os.fdopen(self.output, "rb") as pipe, \
+                contextlib.suppress(EOFError, pickle.UnpicklingError):
+            while True:
+                messages.append(pickle.loads(_unframe(pipe)))
         _, status = os.waitpid(self.pid, 0)
         return messages, status
 
@@ -1177,7 +1185,7 @@ class _PreparedTrial:
     generator: torch.Generator
 
     @classmethod
-    def build(cls, request: TrialRequest) -> "_PreparedTrial":
+    def build(cls, request: TrialRequest) -> _PreparedTrial:
         torch.set_num_threads(request.num_threads)
         torch.manual_seed(0)
         setup = _StepSetup.of(request.inputs, request.config, torch.device("cpu"))
@@ -1213,7 +1221,7 @@ class _PreparedTrial:
             result["peak_bytes"] = _run_steps(self.runner, self.setup, batch_size,
                                               self.request.steps, self.generator, tracker)
             result["used_bytes"] = tracker.data_peak - segment_start
-        except Exception as exc:  # noqa: BLE001 - everything but out-of-memory propagates
+        except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
             result.update(fits=False, error=_one_line(exc))

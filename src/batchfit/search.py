@@ -8,8 +8,11 @@ a few small strategy functions, in order, for the next batch size:
 1. ``_verify_step``: a failure in a process that had already failed once (in-process
    trials, where freed memory can stay fragmented) is re-run at once in a clean state;
    that run replaces it. So every failure the search acts on is a clean one.
-2. ``_seed_step``: the first trial, a little *below* the prediction
-   (``approach``, default 10%), so that it most likely fits and yields a measurement.
+2. ``_seed_step``: the first trial, *below* the prediction by ``approach`` of the limit
+   in bytes (``approach * limit / bytes_per_sample`` samples), so that it most likely
+   fits and yields a measurement. The CPU default, 25%, covers the process memory the
+   prediction does not see (DESIGN.md §4: 20-37% of RSS; measured here 4-24% of the
+   cap); CUDA's, 5%, a prediction that models the caching allocator.
 3. ``_schedule_step``: a bisection when the bracket has not halved in two trials, so a
    misleading model still converges in O(log range) trials.
 4. ``_model_step``: the affine usage model. Each fitting trial measures ``used_bytes``,
@@ -22,16 +25,22 @@ a few small strategy functions, in order, for the next batch size:
    from the smallest failure.
 6. ``_bisect_step``: both ends known, no model.
 
-With an accurate prediction a search takes three trials (the seed below the
-boundary, the model's answer, and the answer + 1, the only one that fails); two when
-the seed is already the answer.
+With a prediction whose error the seed's margin covers, a search takes three trials
+(the seed below the boundary, the model's answer, and the answer + 1, the only one
+that fails); two when the seed is already the answer.
 
-Why each CPU trial is a fresh process: after an out-of-memory error glibc keeps the
-freed memory in its heap, so a later, smaller batch can fail in the same process (the
-answer of an in-process search is then too small). A fork of a zygote that has only
-imported torch (:class:`batchfit.probe.TrialServer`) costs ~0.3 s, so every CPU trial
-is one; the answer is the largest batch that runs in a fresh process with the cap, by
-construction. On CUDA the trials run in the user's process (the model is there), an
+Why each CPU trial is a fresh process: after an out-of-memory error the freed memory
+stays in the process (glibc's heap, and whatever the training loop still holds), so a
+later, smaller batch can fail in the same process (measured here: Lightning's binsearch
+saw 48 fail after 64 failed, with a true maximum of 63). A fresh interpreter costs 7-10 s
+on this machine (``import torch``, then ``torch._dynamo`` at the first optimizer), so
+trials fork from a zygote that imported torch and the model's library once
+(:class:`batchfit.probe.TrialServer`); each child builds the model, warms up and waits,
+one child ahead, so its set-up overlaps the prediction or the previous trial. The
+answer is the largest batch that runs in a fresh process with the cap, by construction
+(the child's memory history is a fresh process's: the benchmark's independent
+``python -c`` truth and the children agree to the byte at the boundary). On CUDA the
+trials run in the user's process (the model is there), an
 out-of-memory error is followed by ``empty_cache()``, which hands every cached segment
 back, and a failure that followed another failure is re-run before it is believed
 (approaching from below, a search rarely has a second failure).
@@ -48,9 +57,20 @@ the cap the outcome depends on the heap layout. Measured on a small CNN with a 2
 cap: fresh processes fitted or failed at random anywhere between batch 88 and 101.
 So by default the trial processes pin the threshold at glibc's initial 128 KiB
 (``MALLOC_MMAP_THRESHOLD_``): every tensor of 128 KiB or more gets its own mapping and
-returns it when freed (as a CUDA allocator's large segments do), the process uses
-3-4% more than its live tensors, and the boundary is sharp and repeatable (129 fits,
-130 fails, in every fresh process). ``pin_mmap_threshold=False`` turns this off.
+returns it when freed (as a CUDA allocator's large segments do), the process uses a
+few MiB more than its live tensors, and the boundary is sharp and repeatable (129 fits,
+130 fails, in every fresh process). ``reproducible=False`` leaves glibc as it is.
+What pinning does not remove: for ResNet-18 (oneDNN convolutions) the batch at the
+boundary still fitted in about half of the fresh processes, with or without address
+space randomization; the search then reports one of the two, and the recommendation's
+headroom is the batch to use.
+
+What the prediction misses on the CPU (``benchmarks/max_vs_true_cpu.py``): 5-7 MiB of
+process memory outside the tensor allocator at any batch (Python and autograd objects,
+small allocations, oneDNN's JIT-compiled kernels), and for convolution nets trained
+through oneDNN (batch >= 2) about 30 MiB more for ResNet-18 (gone with
+``torch.backends.mkldnn.enabled = False``). The search does not depend on the
+prediction being right: the first trial measures the real usage.
 
 Recommended batch size: the allocator's own overhead at the maximum (CUDA: reserved
 minus allocated; CPU: the data segment's growth minus the live tensors' growth) is
@@ -70,9 +90,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from batchfit.errors import DoesNotFitError, InvalidInputError, UntraceableError
 from batchfit.spec import TrainConfig, make_config
@@ -113,7 +134,9 @@ class SearchPlan:
         bytes_per_sample: the prediction's per-sample growth near the boundary.
         max_batch_size: never try beyond this.
         isolated: each trial runs in a fresh process, so every failure is the truth.
-        approach: the seed is ``floor(predicted * (1 - approach))``.
+        approach: the seed's margin below the prediction: ``approach * limit_bytes`` worth
+            of samples when both the limit and the slope are known, else the fraction
+            ``approach`` of the prediction.
         slope_margin: inflate the predicted slope by this fraction, so the model
             approaches from below (for in-process trials, where failures are costly).
     """
@@ -199,7 +222,12 @@ def _seed_step(log: SearchLog) -> int | None:
     if log.outcomes:
         return None
     plan = log.plan
-    return _clamp(math.floor(plan.predicted * (1 - plan.approach)), 1, plan.max_batch_size)
+    if plan.limit_bytes and plan.bytes_per_sample:
+        seed = plan.predicted - math.ceil(plan.approach * plan.limit_bytes
+                                          / plan.bytes_per_sample)
+    else:
+        seed = math.floor(plan.predicted * (1 - plan.approach))
+    return _clamp(seed, 1, plan.max_batch_size)
 
 
 def _schedule_step(log: SearchLog) -> int | None:
@@ -302,7 +330,7 @@ def search_boundary(evaluate: Callable[[int], Outcome], plan: SearchPlan, *,
         >>> log = search_boundary(lambda b: Outcome(b, b <= 500, 1000 + 10 * b),
         ...                       SearchPlan(predicted=520, limit_bytes=6000, bytes_per_sample=10))
         >>> log.lower, [o.batch_size for o in log.outcomes]
-        (500, [468, 500, 501])
+        (500, [460, 500, 501])
     """
     if plan.predicted < 1 or plan.max_batch_size < 1:
         raise InvalidInputError("the prediction and the batch limit must be at least 1")
@@ -364,7 +392,7 @@ class SearchResult:
     recommended_batch_size: int
     predicted_max_batch_size: int | None
     prediction_error: float | None
-    trials: tuple["Trial", ...]
+    trials: tuple[Trial, ...]
     device: str
     memory_cap_bytes: int | None
     steps_per_trial: int
@@ -397,9 +425,9 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
                      steps_per_trial: int = 2, predicted: int | None = None,
                      optimizer: Any = None, loader: Any = None,
                      max_batch_limit: int = DEFAULT_MAX_BATCH_LIMIT, min_headroom: float = 0.05,
-                     approach: float = 0.1, pin_mmap_threshold: bool = True,
+                     approach: float | None = None, reproducible: bool = True,
                      timeout_s: float | None = None,
-                     on_trial: Callable[["Trial"], None] | None = None,
+                     on_trial: Callable[[Trial], None] | None = None,
                      trial_server: Any = None, **options: Any) -> SearchResult:
     """Find the largest batch size that trains (or infers) on the real device.
 
@@ -426,14 +454,15 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
             to read the input spec when ``inputs`` is None; that read is undone).
         max_batch_limit: never try beyond this.
         min_headroom: the least fraction of the limit the recommendation leaves free.
-        approach: the first trial is this fraction below the prediction.
-        pin_mmap_threshold: CPU: pin glibc's mmap threshold in the trial processes (see
-            the module docstring).
+        approach: the first trial's margin below the prediction, as a fraction of the
+            limit (default: 0.25 on the CPU, 0.05 on CUDA; see the module docstring).
+        reproducible: CPU: trial processes pin glibc's mmap threshold, so the boundary
+            is the same in (nearly) every fresh process (see the module docstring).
         timeout_s: a trial running longer than this raises (CPU).
         on_trial: called with each :class:`~batchfit.probe.Trial` as it finishes.
         trial_server: CPU: a running :class:`~batchfit.probe.TrialServer` to fork the
             trials from, shared between searches (its environment is then the caller's
-            business, ``pin_mmap_threshold`` does not apply); by default one is started
+            business, ``reproducible`` does not apply); by default one is started
             for this search and stopped after it.
 
     Raises:
@@ -466,7 +495,7 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
             snapshot.restore()
         if target.type == "cpu":
             search = _CpuSearch(model, inputs, config, memory_cap_bytes, steps_per_trial,
-                                pin_mmap_threshold, timeout_s, trial_server)
+                                reproducible, timeout_s, trial_server)
         else:
             search = _CudaSearch(model, inputs, config, target, memory_cap_bytes,
                                  steps_per_trial, optimizer, snapshot)
@@ -558,17 +587,17 @@ class _Search:
 
     steps: int
 
-    def __enter__(self) -> "_Search":
+    def __enter__(self) -> _Search:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         pass
 
     def predict(self) -> tuple[int | None, float | None, int | None]:
         """(predicted max batch, bytes per sample near it, bytes needed at batch 1)."""
         raise NotImplementedError
 
-    def trial(self, batch_size: int) -> "Trial":
+    def trial(self, batch_size: int) -> Trial:
         raise NotImplementedError
 
     limit_bytes: int | None = None
@@ -576,9 +605,10 @@ class _Search:
     cap_bytes: int | None = None
     isolated: bool = True
     usage_is_growth: bool = True
+    default_approach: float = 0.25
 
-    def run(self, predicted: int | None, max_batch_limit: int, approach: float,
-            min_headroom: float, on_trial: Callable[["Trial"], None] | None,
+    def run(self, predicted: int | None, max_batch_limit: int, approach: float | None,
+            min_headroom: float, on_trial: Callable[[Trial], None] | None,
             started: float) -> SearchResult:
         needed = None
         per_sample = None
@@ -593,6 +623,8 @@ class _Search:
                 on_trial(trial)
             return Outcome(batch_size, trial.fits, trial.used_bytes)
 
+        if approach is None:
+            approach = self.default_approach
         plan = SearchPlan(
             predicted=_clamp(predicted or 1, 1, max_batch_limit),
             limit_bytes=self.limit_bytes, bytes_per_sample=per_sample,
@@ -620,7 +652,7 @@ class _Search:
             capped=answer >= max_batch_limit, overhead_bytes=overhead)
 
 
-def _overhead(trial: "Trial", usage_is_growth: bool) -> int | None:
+def _overhead(trial: Trial, usage_is_growth: bool) -> int | None:
     """Memory the allocator held beyond live tensors at the trial's peak: CPU usage is
     the growth over the warmed-up state, CUDA usage (reserved) is absolute."""
     if trial.used_bytes is None or trial.peak_bytes is None:
@@ -633,11 +665,17 @@ class _CpuSearch(_Search):
     """Every trial in a fresh process forked from a zygote, capped with RLIMIT_DATA."""
 
     def __init__(self, model: Any, inputs: Any, config: TrainConfig, cap_bytes: int | None,
-                 steps: int, pin_mmap_threshold: bool, timeout_s: float | None,
+                 steps: int, reproducible: bool, timeout_s: float | None,
                  server: Any = None):
         import os
 
-        from batchfit.probe import TrialServer, preloads_for, factory_of, model_source, trial_request
+        from batchfit.probe import (
+            TrialServer,
+            factory_of,
+            model_source,
+            preloads_for,
+            trial_request,
+        )
 
         total, available = _machine_memory()
         if cap_bytes is not None and cap_bytes > total:
@@ -660,13 +698,13 @@ class _CpuSearch(_Search):
         self.owns_server = server is None
         if server is None:
             environment = dict(os.environ)
-            if pin_mmap_threshold:
+            if reproducible:
                 environment.setdefault("MALLOC_MMAP_THRESHOLD_", str(PINNED_MMAP_THRESHOLD))
             server = TrialServer(preloads_for(self.source), env=environment)
         self.server = server
         self.server.prepare(self.request)  # the first child warms up during the prediction
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.owns_server:
             self.server.close()
 
@@ -692,7 +730,7 @@ class _CpuSearch(_Search):
             per_sample = float(result.total_bytes_at_next - result.total_bytes_at_max)
         return result.max_batch_size, per_sample or None, at_one.peak_allocated_bytes - state
 
-    def trial(self, batch_size: int) -> "Trial":
+    def trial(self, batch_size: int) -> Trial:
         from dataclasses import replace
 
         return self.server.run(replace(self.request, batch_size=batch_size),
@@ -704,6 +742,7 @@ class _CudaSearch(_Search):
 
     isolated = False
     usage_is_growth = False
+    default_approach = 0.05
 
     def __init__(self, model: Any, inputs: Any, config: TrainConfig, device: Any,
                  cap_bytes: int | None, steps: int, optimizer: Any, snapshot: Any):
@@ -738,7 +777,7 @@ class _CudaSearch(_Search):
         self.limit_bytes = cap_bytes if cap_bytes is not None else \
             free + torch.cuda.memory_reserved(device)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._cap.close()
 
     def predict(self) -> tuple[int | None, float | None, int | None]:
@@ -761,7 +800,7 @@ class _CudaSearch(_Search):
             per_sample = float(result.total_bytes_at_next - result.total_bytes_at_max)
         return result.max_batch_size, per_sample or None, None
 
-    def trial(self, batch_size: int) -> "Trial":
+    def trial(self, batch_size: int) -> Trial:
         from batchfit.probe import run_trial
 
         try:
@@ -771,6 +810,6 @@ class _CudaSearch(_Search):
             self.snapshot.restore()
 
 
-def summarize_trials(trials: Sequence["Trial"]) -> str:
+def summarize_trials(trials: Sequence[Trial]) -> str:
     """``"96 ok, 130 OOM, 129 ok"``: a one-line history for logs and reports."""
     return ", ".join(f"{t.batch_size} {'ok' if t.fits else 'OOM'}" for t in trials)
