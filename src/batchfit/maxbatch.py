@@ -186,7 +186,11 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         numel_at, op, module = estimates[answer + 1].largest_tensor
         note = (f"batch {answer + 1} makes a tensor of {numel_at:,} elements "
                 f"(> 2**31-1) in {module or '<root>'} ({op}); many CUDA kernels fail there")
-    at_max = summarize(traces[answer], profile)  # now with the first step
+    at_max = estimates[answer]
+    if at_max.first_step_peak_bytes is None:  # the solver's traces skip the first step
+        context = profile.context_bytes if profile.is_cuda else 0
+        at_max = replace(at_max, first_step_peak_bytes=context + needed_bytes(
+            traces[answer].first_events, profile))
     at_next = estimates.get(answer + 1)
     return MaxBatchResult(
         max_batch_size=answer, budget_bytes=budget, memory_bytes=memory, margin=margin,

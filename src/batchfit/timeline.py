@@ -152,13 +152,32 @@ def _smallest_capacity(events: Sequence[Event], workspace_bytes: int, low: int, 
     lo, hi = -(-low // unit) - 1, high // unit  # lo fails (or is below allocated), hi fits
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        try:
-            _replay_cuda(events, workspace_bytes, mid * unit)
-        except AllocatorOutOfMemory:
-            lo = mid
-        else:
+        if _fits(events, workspace_bytes, mid * unit):
             hi = mid
+        else:
+            lo = mid
     return hi * unit
+
+
+def _fits(events: Sequence[Event], workspace_bytes: int, capacity: int) -> bool:
+    """Whether the replay runs within ``capacity`` (no timeline kept: the hot loop)."""
+    allocator = CachingAllocator(capacity)
+    malloc, free = allocator.malloc, allocator.free
+    handles: dict[int, int] = {}
+    alloc_kind, free_kind = EventKind.ALLOC, EventKind.FREE
+    try:
+        if workspace_bytes:
+            malloc(workspace_bytes)
+        for event in events:
+            if event.kind is alloc_kind:
+                handles[event.key] = malloc(event.nbytes)
+            elif event.kind is free_kind:
+                handle = handles.pop(event.key, None)
+                if handle is not None:
+                    free(handle)
+    except AllocatorOutOfMemory:
+        return False
+    return True
 
 
 def _held_at(events: Sequence[Event], index: int, device: DeviceProfile
