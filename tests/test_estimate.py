@@ -218,3 +218,31 @@ def test_data_dependent_op_is_untraceable():
 def test_bad_batch_size():
     with pytest.raises(InvalidInputError, match="batch size"):
         batchfit.estimate(linear_relu, (1024,), 0)
+
+
+def test_custom_op_is_named_in_a_warning():
+    # A custom op with a fake implementation is traced by its outputs only: the estimate
+    # says so, naming the op and the module that ran it.
+    lib = torch.library.Library("batchfit_test", "FRAGMENT")
+    lib.define("scale(Tensor x) -> Tensor")
+    lib.impl("scale", lambda x: x * 2, "CPU")
+    torch.library.register_fake("batchfit_test::scale", lambda x: torch.empty_like(x), lib=lib)
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.ops.batchfit_test.scale(self.lin(x))
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Scaled()
+
+        def forward(self, x):
+            return self.block(x)
+
+    est = batchfit.estimate(Outer, (8,), 2, mode="infer")
+    assert any("batchfit_test.scale" in w and "'block'" in w for w in est.warnings), est.warnings

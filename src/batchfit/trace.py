@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import sys
-import warnings
 from dataclasses import dataclass, replace
 from enum import IntEnum, StrEnum
 from typing import Any, Sequence
@@ -228,11 +227,6 @@ class Tracer:
                 ti.tag_graph(output, path)
         return hook
 
-    def warn_custom_ops(self) -> None:
-        for op, module in self.custom_ops.items():
-            warnings.warn(
-                f"custom op {op} in module '{module or '<root>'}': only its outputs are traced; "
-                "memory it allocates internally is not counted", stacklevel=3)
 
 
 # -- tracing a whole step ------------------------------------------------------------
