@@ -247,12 +247,10 @@ def max_cmd(
 
 def _context_length(spec: Any) -> int | None:
     """The model's maximum positions, read from its config (built on meta)."""
-    import torch
-
+    from batchfit.fake import build_on_meta
     from batchfit.models import _max_positions
 
-    with torch.device("meta"):
-        built = spec.factory()
+    built = build_on_meta(spec.factory)
     config = getattr(built, "config", None)
     return _max_positions(config) if config is not None else None
 

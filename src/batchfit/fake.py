@@ -64,20 +64,25 @@ def fake_copy(model: nn.Module | Callable[[], nn.Module], fake_mode: Any, *,
                 f"cannot copy the model to trace it ({type(exc).__name__}: {exc}); "
                 "pass a factory (a function that builds the model) instead") from exc
     elif callable(model):
-        try:
-            with torch.device("meta"):
-                twin = model()
-        except Exception as exc:  # noqa: BLE001
-            raise ModelSpecError(
-                f"the model factory raised {type(exc).__name__}: {exc}") from exc
-        if not isinstance(twin, nn.Module):
-            raise ModelSpecError(
-                f"the model factory returned {type(twin).__name__}, not a torch.nn.Module")
+        twin = build_on_meta(model)
     else:
         raise InvalidInputError(
             f"model must be an nn.Module or a factory returning one, not {type(model).__name__}")
     _swap_tensors(twin, fake_mode, float_dtype, channels_last)
     return twin
+
+
+def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
+    """Call ``factory`` under ``torch.device("meta")``; one clear error if it fails."""
+    try:
+        with torch.device("meta"):
+            built = factory()
+    except Exception as exc:  # noqa: BLE001 - the user's code can fail in any way
+        raise ModelSpecError(f"the model factory raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(built, nn.Module):
+        raise ModelSpecError(
+            f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
+    return built
 
 
 def _meta_stub(tensor: torch.Tensor) -> torch.Tensor:

@@ -320,20 +320,12 @@ class TraceReuse:
 
 def _meta_model(model: Any, reuse: TraceReuse | None) -> Any:
     """The model to copy from: the user's module, or the factory's output built once."""
-    from batchfit.errors import ModelSpecError
+    from batchfit.fake import build_on_meta
 
-    if reuse is None or isinstance(model, nn.Module):
+    if reuse is None or isinstance(model, nn.Module) or not callable(model):
         return model
     if reuse.meta_model is None:
-        try:
-            with torch.device("meta"):
-                built = model()
-        except Exception as exc:  # noqa: BLE001
-            raise ModelSpecError(f"the model factory raised {type(exc).__name__}: {exc}") from exc
-        if not isinstance(built, nn.Module):
-            raise ModelSpecError(
-                f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
-        reuse.meta_model = built
+        reuse.meta_model = build_on_meta(model)
     return reuse.meta_model
 
 
