@@ -64,7 +64,7 @@ def test_estimate_human_output_explains(factory_file):
 
 def test_max_json_contract_and_exactness(factory_file):
     result = invoke("max", f"{factory_file}:with_spec", "--device", "cpu", "--memory", "8MiB",
-                    "--json")
+                    "--overhead", "0", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     for key in ("max_batch_size", "budget_bytes", "total_bytes_at_max", "total_bytes_at_next",
@@ -76,7 +76,7 @@ def test_max_json_contract_and_exactness(factory_file):
 
 def test_max_with_batch_size_finds_the_longest_sequence():
     result = invoke("max", "hf:gpt2", "--model-kwargs", "n_layer=1", "--device", "cpu",
-                    "--memory", "1GiB", "-b", "2", "--json")
+                    "--memory", "1GiB", "--overhead", "0", "-b", "2", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["batch_size"] == 2
@@ -150,13 +150,14 @@ def test_plot_is_written(factory_file, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "m.png"
     result = invoke("max", f"{factory_file}:with_spec", "--device", "cpu", "--memory", "4MiB",
-                    "--plot", str(png))
+                    "--overhead", "0", "--plot", str(png))
     assert result.exit_code == 0, result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_nothing_fits_exits_3(factory_file):
-    result = invoke("max", f"{factory_file}:with_spec", "--device", "cpu", "--memory", "100KiB")
+    result = invoke("max", f"{factory_file}:with_spec", "--device", "cpu", "--memory", "100KiB",
+                    "--overhead", "0")
     assert result.exit_code == 3
     assert "budget" in result.output
 
@@ -187,7 +188,7 @@ BAD = [
     (["estimate", "timm:resnet18", "-b", "2", "--device", "tpu"], 2, "unknown device"),
     (["estimate", "timm:resnet18", "-b", "2", "--device", "cuda:3"], 2, "CUDA"),
     (["estimate", "timm:resnet18", "-b", "2", "--plot", "out.jpg"], 2, ".png"),
-    (["estimate", "timm:resnet18", "-b", "2", "--overhead", "1GiB"], 2, "--gpu"),
+    (["estimate", "timm:resnet18", "-b", "2", "--overhead", "lots"], 2, "size"),
     (["estimate", "timm:resnet18", "-b", "2", "--input", "1x64x64"], 2, "(3, H, W)"),
     (["estimate", "{factory}:mlp", "-b", "2"], 2, "--input"),
     (["estimate", "resnet50x", "-b", "2"], 2, "unknown model"),

@@ -117,3 +117,74 @@ def test_longest_sequence():
     above = batchfit.estimate(gpt2, with_seq_len(spec, result.max_seq_len + 64), 2)
     assert at.total_bytes <= 256 * MIB < above.total_bytes
     assert result.max_seq_len % 64 == 0
+
+
+def _tag_with_pid(batch_size):
+    import os
+
+    return (batch_size, os.getpid())
+
+
+def test_parallel_traces_run_the_second_batch_in_a_forked_child(monkeypatch):
+    import os
+
+    from batchfit import maxbatch
+
+    monkeypatch.setattr(maxbatch, "_can_fork", lambda: True)
+    traced = maxbatch.trace_in_parallel(_tag_with_pid, [16, 32, 48])
+    assert traced[16] == (16, os.getpid())
+    assert traced[32][0] == 32 and traced[32][1] != os.getpid()  # came back from the child
+    assert traced[48] == (48, os.getpid())  # an odd one out runs here
+    sequential = maxbatch.trace_in_parallel(_tag_with_pid, [16, 32], allowed=False)
+    assert sequential == {16: (16, os.getpid()), 32: (32, os.getpid())}
+
+
+def test_parallel_traces_fall_back_when_the_child_fails(monkeypatch):
+    import os
+
+    from batchfit import maxbatch
+
+    parent = os.getpid()
+
+    def fails_in_child(batch_size):
+        if os.getpid() != parent:
+            raise RuntimeError("child trouble")
+        return batch_size * 10
+
+    monkeypatch.setattr(maxbatch, "_can_fork", lambda: True)
+    assert maxbatch.trace_in_parallel(fails_in_child, [1, 2]) == {1: 10, 2: 20}
+
+
+def test_parallel_and_sequential_traces_give_the_same_answer(monkeypatch):
+    t4 = DeviceProfile.cuda(1 << 30, (7, 5), name="small T4")
+    parallel = max_batch_size(cnn, (3, 64, 64), device=t4)
+    monkeypatch.setenv("BATCHFIT_PARALLEL_TRACES", "0")
+    sequential = max_batch_size(cnn, (3, 64, 64), device=t4)
+    assert parallel.max_batch_size == sequential.max_batch_size
+    assert parallel.evaluated == sequential.evaluated
+
+
+class WindowAttention(nn.Module):
+    """Swin-style attention over 64 windows of 4 tokens per sample: the fused kernels see
+    a batch of 64 * B windows, so at B = 1024 a grid dimension reaches 65,536."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):  # x: (B, 64, 4, 16)
+        b = x.shape[0]
+        q, k, v = self.qkv(x).reshape(b * 64, 4, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v)
+        return out.transpose(1, 2).reshape(b, 64, 4, 16)
+
+
+def test_grid_dimension_limit_binds_before_memory():
+    # Memory would allow far more than 1024 samples (a few KiB each on an 80 GB card);
+    # flash attention launches (blocks, 64 * B, 2): 64 * B <= 65,535 gives B <= 1023.
+    result = max_batch_size(WindowAttention, (64, 4, 16), device="A100-80GB",
+                            precision="amp-fp16", mode="infer")
+    assert result.binding_constraint is Constraint.GRID_DIM
+    assert result.max_batch_size == 65535 // 64 == 1023
+    assert "65,536" in result.note and "<root>" in result.note
+    assert result.to_dict()["binding_constraint"] == "grid_dim"

@@ -36,7 +36,10 @@ OptimOpt = typer.Option("adamw", "--optimizer",
 PrecOpt = typer.Option("fp32", "--precision", help="fp32, tf32, amp-fp16, amp-bf16, bf16, fp16")
 CkptOpt = typer.Option(False, "--checkpointing", help="activation checkpointing")
 ClOpt = typer.Option(False, "--channels-last", help="channels-last memory format")
-OverheadOpt = typer.Option(None, "--overhead", help="CUDA context size, e.g. 600MiB")
+OverheadOpt = typer.Option(
+    None, "--overhead",
+    help="memory outside the tensors, e.g. 600MiB: the CUDA context (GPU), or the CPU runtime's "
+         "overhead (--device cpu; max measures it with one real step unless given)")
 KwargsOpt = typer.Option(None, "--model-kwargs", help="key=value passed to the model builder")
 JsonOpt = typer.Option(False, "--json", help="print one JSON object")
 PlotOpt = typer.Option(None, "--plot", help="write a PNG plot here")
@@ -106,9 +109,7 @@ def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
     else:
         profile = DeviceProfile.cpu()
     if overhead is not None:
-        if not profile.is_cuda:
-            raise InvalidInputError("--overhead sets the CUDA context size: use it with --gpu")
-        profile = profile.with_overheads(context_bytes=parse_size(overhead))
+        profile = profile.with_overheads(context_bytes=parse_size(overhead, allow_zero=True))
     return profile, memory_bytes
 
 
@@ -218,6 +219,11 @@ def max_cmd(
         with _progress(not as_json, f"resolving {model}...") as status:
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                           checkpointing, channels_last, model_kwargs)
+            if not profile.is_cuda and overhead is None:
+                if status is not None:
+                    status.update(f"measuring the CPU runtime's overhead: one real step of {model}...")
+                profile = profile.with_overheads(
+                    context_bytes=_measure_cpu_overhead(spec, inputs, config))
             if batch_size is not None:
                 _max_seq_len(model, spec, inputs, config, profile, memory_bytes, margin,
                              batch_size, as_json, status)
@@ -243,6 +249,18 @@ def max_cmd(
         out.print(render_max_batch(result, model))
         if plot:
             out.print(f"plot written to {plot}")
+
+
+def _measure_cpu_overhead(spec: Any, inputs: Any, config: Any) -> int:
+    """The CPU runtime's memory beyond tensors for this model (batchfit.cpu_overhead)."""
+    from batchfit.cpu_overhead import measure_cpu_overhead
+
+    try:
+        return measure_cpu_overhead(spec, inputs, config).overhead_bytes
+    except BatchfitError as exc:
+        raise InvalidInputError(
+            f"could not measure the CPU runtime's overhead ({exc}): give it with --overhead "
+            "SIZE (--overhead 0 ignores it)") from exc
 
 
 def _context_length(spec: Any) -> int | None:

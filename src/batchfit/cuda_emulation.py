@@ -834,6 +834,9 @@ class CudaEmulation:
         self.cudnn_version = cudnn_version
         self.unsupported: list[str] = []
         self.sdpa_backends: dict[SdpaBackend, int] = {}
+        #: (extent, kernel, module) of the largest grid y/z dimension a fused kernel launches
+        self.largest_grid: tuple[int, str, str] = (0, "", "")
+        self.where: Callable[[], str] = lambda: ""  # the module running now (set by the tracer)
         self._mode: _InterceptMode | None = None
         self._region_depth = 0
         self._cache = _CastCache()
@@ -994,6 +997,14 @@ class CudaEmulation:
                        "emulated with the math backend")
             backend = SdpaBackend.MATH
         self.sdpa_backends[backend] = self.sdpa_backends.get(backend, 0) + 1
+        if backend is not SdpaBackend.MATH:
+            # flash launches (query blocks, batch, heads), efficient (query blocks, heads,
+            # batch): batch and heads are grid y/z dimensions, which CUDA caps at 65,535
+            # (pytorch/pytorch#146704, #142228).
+            extent = max(query.shape[0], query.shape[1])
+            if extent > self.largest_grid[0]:
+                self.largest_grid = (extent, f"scaled_dot_product_attention ({backend.value})",
+                                     self.where())
         if mask is not None and mask.dtype is torch.bool:
             mask = _bool_mask_to_bias(mask, query.dtype)
         if backend is SdpaBackend.MATH:

@@ -14,6 +14,11 @@ user can override:
   cuDNN convolution workspaces vary by algorithm; with
   ``torch.backends.cudnn.benchmark=True`` they can grow with the batch: add them
   through ``workspace_bytes`` if you use benchmark mode.
+
+On the CPU, ``context_bytes`` is the runtime's memory beyond live tensors (oneDNN's
+primitive cache, MKL's buffers): 0 by default, measured for a model by
+:func:`batchfit.cpu_overhead.measure_cpu_overhead` (``batchfit max --device cpu``
+does it), or set with ``DeviceProfile.cpu(context_bytes=...)``.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ class DeviceProfile:
         name: a display name.
         total_memory_bytes: the card's memory as CUDA reports it (None for the CPU).
         compute_capability: e.g. ``(8, 0)`` for an A100.
-        context_bytes: CUDA context and kernels, outside the allocator.
+        context_bytes: CUDA context and kernels, outside the allocator; on the CPU the
+            runtime's memory beyond live tensors (see the module docstring).
         workspace_bytes: cuBLAS/cuDNN workspaces held through the allocator.
     """
 
@@ -67,8 +73,11 @@ class DeviceProfile:
         return self.kind is DeviceKind.CUDA
 
     @classmethod
-    def cpu(cls) -> "DeviceProfile":
-        return cls()
+    def cpu(cls, context_bytes: int = 0) -> "DeviceProfile":
+        """This CPU; ``context_bytes``: the runtime's memory beyond live tensors."""
+        if context_bytes < 0:
+            raise InvalidInputError("context_bytes must not be negative")
+        return cls(context_bytes=int(context_bytes))
 
     @classmethod
     def cuda(cls, total_memory_bytes: int, compute_capability: tuple[int, int] = (8, 0), *,

@@ -1,7 +1,8 @@
 """``batchfit.max_batch_size``: the largest batch (or sequence length) that fits a budget.
 
 The budget is the device memory as CUDA sees it, minus the CUDA context and the
-library workspaces, minus an optional safety margin (0 by default: the traces
+library workspaces (on the CPU: the runtime's overhead beyond tensors, see
+:mod:`batchfit.cpu_overhead`), minus an optional safety margin (0 by default: the traces
 already model the caching allocator's reserved memory). Each candidate batch is
 one fake trace; :mod:`batchfit.solve` picks the candidates and confirms the
 answer by tracing B* (fits) and B*+1 (does not).
@@ -37,11 +38,14 @@ from batchfit.spec import TensorSpec, TrainConfig, make_config
 DEFAULT_MAX_BATCH_LIMIT = 1 << 16
 #: Kernels with 32-bit indexing fail beyond this many elements in one tensor.
 INT32_ELEMENT_LIMIT = 2**31 - 1
+#: CUDA's limit on a kernel's grid y and z dimensions.
+GRID_YZ_LIMIT = 65535
 
 
 class Constraint(StrEnum):
     MEMORY = "memory"
     INT32_INDEXING = "int32_indexing"
+    GRID_DIM = "grid_dim"
     LIMIT = "max_batch_limit"
 
 
@@ -125,7 +129,7 @@ def _budget(profile: DeviceProfile, memory_bytes: int | None, margin: float) -> 
     if memory is None:
         raise InvalidInputError(
             "no memory budget for the CPU: give memory_bytes (--memory 16GiB) or a GPU")
-    overhead = profile.context_bytes + profile.workspace_bytes if profile.is_cuda else 0
+    overhead = profile.context_bytes + profile.workspace_bytes
     budget = int(memory * (1 - margin)) - overhead
     if budget <= 0:
         raise NothingFits(overhead, int(memory * (1 - margin)), smallest=0)
@@ -166,30 +170,46 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
     traces: dict[int, StepTrace] = {}
     reuse = TraceReuse()
 
-    def peak(batch_size: int) -> int:
-        if batch_size not in estimates:
+    def trace(batch_size: int) -> StepTrace:
+        return trace_step(model, inputs, batch_size, config, profile, reuse)
+
+    def prefetch(*batch_sizes: int) -> None:
+        """Trace the batch sizes not traced yet, two at a time where the machine allows."""
+        todo = [b for b in dict.fromkeys(batch_sizes) if b not in estimates]
+        for batch_size in todo:
             if on_trace is not None:
                 on_trace(batch_size)
-            traces[batch_size] = trace_step(model, inputs, batch_size, config, profile, reuse)
-            estimates[batch_size] = summarize(traces[batch_size], profile, first_step=False)
+        for batch_size, traced in trace_in_parallel(trace, todo,
+                                                    allowed=profile.is_cuda).items():
+            traces[batch_size] = traced
+            estimates[batch_size] = summarize(traced, profile, first_step=False)
+
+    def peak(batch_size: int) -> int:
+        prefetch(batch_size)
         return _allocator_bytes(estimates[batch_size])
 
-    answer = _answer_from_interpolation(peak, traces, profile, budget, max_batch_limit)
+    answer = _answer_from_interpolation(peak, prefetch, traces, profile, budget,
+                                        max_batch_limit)
     if answer is None:
         answer = solve_max_batch(peak, budget, max_batch_limit=max_batch_limit).max_batch_size
     capped = answer == max_batch_limit
     constraint = Constraint.LIMIT if capped else Constraint.MEMORY
     note = f"capped at max_batch_limit={max_batch_limit}; more may fit" if capped else ""
     if profile.is_cuda and estimates[answer].largest_tensor[0] > INT32_ELEMENT_LIMIT:
-        answer = _int32_safe_batch(answer, estimates, peak)
+        answer = _limit_safe_batch(answer, estimates, peak, _tensor_elements, INT32_ELEMENT_LIMIT)
         constraint = Constraint.INT32_INDEXING
         numel_at, op, module = estimates[answer + 1].largest_tensor
         note = (f"batch {answer + 1} makes a tensor of {numel_at:,} elements "
                 f"(> 2**31-1) in {module or '<root>'} ({op}); many CUDA kernels fail there")
+    if profile.is_cuda and estimates[answer].largest_grid[0] > GRID_YZ_LIMIT:
+        answer = _limit_safe_batch(answer, estimates, peak, _grid_extent, GRID_YZ_LIMIT)
+        constraint = Constraint.GRID_DIM
+        extent, kernel, module = estimates[answer + 1].largest_grid
+        note = (f"batch {answer + 1} launches {kernel} in {module or '<root>'} with a grid "
+                f"dimension of {extent:,} (> 65,535): CUDA refuses the launch")
     at_max = estimates[answer]
     if at_max.first_step_peak_bytes is None:  # the solver's traces skip the first step
-        context = profile.context_bytes if profile.is_cuda else 0
-        at_max = replace(at_max, first_step_peak_bytes=context + needed_bytes(
+        at_max = replace(at_max, first_step_peak_bytes=profile.context_bytes + needed_bytes(
             traces[answer].first_events, profile))
     at_next = estimates.get(answer + 1)
     return MaxBatchResult(
@@ -207,8 +227,9 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
 _FIT_BATCHES = (16, 32)
 
 
-def _answer_from_interpolation(peak: Callable[[int], int], traces: dict[int, StepTrace],
-                               device: DeviceProfile, budget: int, limit: int) -> int | None:
+def _answer_from_interpolation(peak: Callable[[int], int], prefetch: Callable[..., None],
+                               traces: dict[int, StepTrace], device: DeviceProfile, budget: int,
+                               limit: int) -> int | None:
     """Solve on events interpolated from two traces, then confirm B* and B*+1 by tracing.
 
     When the step's op sequence does not depend on the batch size, every event of a
@@ -217,7 +238,10 @@ def _answer_from_interpolation(peak: Callable[[int], int], traces: dict[int, Ste
     differ in structure, the guess fails its confirmation, or the range is too small.
     """
     small, large = _FIT_BATCHES
-    if limit <= large or peak(small) > budget or peak(large) > budget:
+    if limit <= large:
+        return None
+    prefetch(small, large)
+    if peak(small) > budget or peak(large) > budget:
         return None
     events_at = _interpolator(traces[small].steady_events, traces[large].steady_events,
                               small, large)
@@ -229,6 +253,7 @@ def _answer_from_interpolation(peak: Callable[[int], int], traces: dict[int, Ste
     except NothingFits:
         return None
     answer = guess.max_batch_size
+    prefetch(answer, min(answer + 1, limit))
     if peak(answer) > budget:
         return None
     if answer < limit and peak(answer + 1) <= budget:
@@ -261,18 +286,117 @@ def _interpolator(first: Sequence[Event], second: Sequence[Event], at_first: int
     return events_at
 
 
-def _int32_safe_batch(answer: int, estimates: dict[int, MemoryEstimate],
-                      peak: Callable[[int], int]) -> int:
-    """Largest batch whose largest tensor stays within 32-bit indexing (elements ~ linear in B)."""
-    numel = estimates[answer].largest_tensor[0]
-    guess = max(1, INT32_ELEMENT_LIMIT * answer // numel)
-    while True:  # confirm the boundary by tracing, as for memory
+def trace_in_parallel(trace: Callable[[int], StepTrace], batch_sizes: Sequence[int], *,
+                      allowed: bool = True) -> dict[int, StepTrace]:
+    """``{b: trace(b)}``, with the second trace in a forked child when two cores are free.
+
+    Fake traces are pure CPU work that does not depend on each other, and the fork
+    shares the model already built on meta. The child only traces and sends the
+    pickled result back; if anything goes wrong there (an error, or no answer within
+    a generous timeout), the parent traces that batch itself, so the answer never
+    depends on the fork. Off (sequential) when not ``allowed`` (CPU targets, whose
+    traces run the profiler for kernel scratch, and kineto hangs in a forked child),
+    on one core, on systems without ``fork``, once CUDA is initialised (a forked
+    child cannot use it), and with ``BATCHFIT_PARALLEL_TRACES=0``.
+    """
+    if len(batch_sizes) < 2 or not allowed or not _can_fork():
+        return {b: trace(b) for b in batch_sizes}
+    import os
+    import pickle
+    import time
+
+    first, second, *rest = batch_sizes
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: trace, send, exit without running the parent's cleanup
+        os.close(read_fd)
+        try:
+            import torch
+
+            torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork
+            payload = pickle.dumps(trace(second), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:  # noqa: BLE001 - the parent re-traces and reports errors itself
+            payload = b""
+        with os.fdopen(write_fd, "wb") as pipe:
+            pipe.write(payload)
+        os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        try:
+            start = time.perf_counter()
+            result = {first: trace(first)}
+            payload = _read_within(pipe, timeout_s=30 + 3 * (time.perf_counter() - start))
+        finally:
+            _reap(pid)
+    result[second] = pickle.loads(payload) if payload else trace(second)
+    result.update(trace_in_parallel(trace, rest))
+    return result
+
+
+def _read_within(pipe: Any, timeout_s: float) -> bytes:
+    """All of ``pipe`` until EOF, or b"" if it goes quiet for ``timeout_s``."""
+    import os
+    import select
+
+    chunks = []
+    while True:
+        ready, _, _ = select.select([pipe], [], [], timeout_s)
+        if not ready:
+            return b""
+        chunk = os.read(pipe.fileno(), 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _can_fork() -> bool:
+    import os
+
+    if not hasattr(os, "fork") or os.environ.get("BATCHFIT_PARALLEL_TRACES") == "0":
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if (cores or 1) < 2:
+        return False
+    import torch
+
+    return not torch.cuda.is_initialized()
+
+
+def _reap(pid: int) -> None:
+    """Wait for the child (killing it first if the parent's own trace failed)."""
+    import os
+    import signal
+
+    finished, _ = os.waitpid(pid, os.WNOHANG)
+    if finished == 0:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+
+
+def _tensor_elements(est: MemoryEstimate) -> int:
+    return est.largest_tensor[0]
+
+
+def _grid_extent(est: MemoryEstimate) -> int:
+    return est.largest_grid[0]
+
+
+def _limit_safe_batch(answer: int, estimates: dict[int, MemoryEstimate],
+                      peak: Callable[[int], int], measure: Callable[[MemoryEstimate], int],
+                      limit: int) -> int:
+    """Largest batch whose ``measure`` (a tensor's elements, a grid dimension; ~ linear in
+    B) stays within ``limit``, confirmed by tracing B and B+1 as for memory."""
+    guess = max(1, limit * answer // measure(estimates[answer]))
+    while True:
         for b in (guess, guess + 1):
             if b not in estimates:
                 peak(b)
-        if estimates[guess].largest_tensor[0] > INT32_ELEMENT_LIMIT and guess > 1:
+        if measure(estimates[guess]) > limit and guess > 1:
             guess -= 1
-        elif estimates[guess + 1].largest_tensor[0] <= INT32_ELEMENT_LIMIT:
+        elif measure(estimates[guess + 1]) <= limit:
             guess += 1
         else:
             return guess

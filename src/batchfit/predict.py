@@ -30,7 +30,8 @@ class MemoryEstimate:
         device: the target device profile.
         peak_allocated_bytes: peak bytes of live tensors (on CUDA, with 512 B rounding).
         peak_reserved_bytes: peak bytes the caching allocator holds (= allocated on CPU).
-        total_bytes: device memory needed: reserved plus the CUDA context.
+        total_bytes: device memory needed: reserved plus the context (CUDA: the CUDA
+            context; CPU: the runtime's overhead, if the profile has one).
         first_step_peak_bytes: the same total for the first step (optimizer state is created);
             None when not computed.
         by_category: bytes by :class:`~batchfit.trace.Category` at the peak; sums to total_bytes.
@@ -56,6 +57,7 @@ class MemoryEstimate:
     trainable_parameter_count: int = 0
     warnings: tuple[str, ...] = ()
     largest_tensor: tuple[int, str, str] = (0, "", "")  # (elements, op, module)
+    largest_grid: tuple[int, str, str] = (0, "", "")  # (CUDA grid y/z extent, kernel, module)
 
     def explain(self) -> str:
         """One sentence saying what dominates the peak."""
@@ -87,6 +89,7 @@ class MemoryEstimate:
             "explanation": self.explain(),
             "warnings": list(self.warnings),
             "largest_tensor_elements": self.largest_tensor[0],
+            "largest_grid_dim": self.largest_grid[0],
         }
         if timeline:
             data["timeline"] = self.timeline.to_dict()
@@ -131,7 +134,7 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
 def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) -> MemoryEstimate:
     """Turn a trace into an estimate on ``device``."""
     steady = replay_events(trace.steady_events, device)
-    overhead = device.context_bytes if device.is_cuda else 0
+    overhead = device.context_bytes
     if trace.first_events is trace.steady_events:
         first_peak: int | None = steady.peak_reserved_bytes + overhead
     elif first_step:
@@ -151,4 +154,4 @@ def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) 
         peak_module=steady.peak_module, top_modules=steady.top_modules, timeline=steady,
         parameter_count=trace.parameter_count,
         trainable_parameter_count=trace.trainable_parameter_count, warnings=warnings,
-        largest_tensor=trace.largest_tensor)
+        largest_tensor=trace.largest_tensor, largest_grid=trace.largest_grid)

@@ -161,10 +161,11 @@ _SIZE_UNITS = {
 }
 
 
-def parse_size(text: str | int | float) -> int:
+def parse_size(text: str | int | float, *, allow_zero: bool = False) -> int:
     """Parse a memory size such as ``"24GiB"``, ``"16 GB"``, ``"512MiB"`` or ``1073741824``.
 
-    Decimal units (GB) are powers of 10, binary units (GiB) powers of 2.
+    Decimal units (GB) are powers of 10, binary units (GiB) powers of 2. Zero is an
+    error unless ``allow_zero`` (an overhead may be zero, a budget may not).
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), ""
@@ -175,7 +176,7 @@ def parse_size(text: str | int | float) -> int:
                 f"malformed size {text!r}: write a number with a unit, like 24GiB, 16GB or 512MiB")
         value, unit = float(match.group(1)), match.group(2).lower()
     size = int(value * _SIZE_UNITS[unit])
-    if size <= 0:
+    if size < 0 or (size == 0 and not allow_zero):
         raise InvalidInputError(f"size {text!r} must be positive")
     return size
 

@@ -86,6 +86,7 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10)
     if device.is_cuda:
         live = sum(by_category.values()) + device.workspace_bytes
         by_category[Category.ALLOCATOR_SLACK] = max(reserved) - live
+    if device.is_cuda or device.context_bytes:
         by_category[Category.CONTEXT] = device.context_bytes + device.workspace_bytes
     held = sum(modules.values()) or 1
     top_modules = tuple(

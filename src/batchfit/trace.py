@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from batchfit import _torch_internals as ti
-from batchfit.kernels import size_fix_for
+from batchfit.kernels import scratch_for, size_fix_for
 
 
 class Category(StrEnum):
@@ -94,8 +94,9 @@ class Tracer:
     submodules.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, in_op_scratch: bool = False) -> None:
         self.events: list[Event] = []
+        self.in_op_scratch = in_op_scratch  # CPU targets: add kernels' scratch (kernels.py)
         self.phase = Phase.SETUP
         # storage address -> [nbytes, category, module, weakref, uid]; addresses are reused
         # after a free, so events carry a unique id instead
@@ -189,6 +190,13 @@ class Tracer:
             numel = tensor.numel()
             if numel > self.largest[0]:
                 self.largest = (numel, op, module)
+        scratch = scratch_for(func) if self.in_op_scratch else None
+        if scratch is not None and (nbytes := scratch(args)) > 0:
+            uid = next(_UIDS)
+            where = module if op is not None else self.current_module()
+            for kind in (EventKind.ALLOC, EventKind.FREE):
+                self.events.append(Event(kind, uid, nbytes, Category.TEMPORARIES, where or "",
+                                         str(func), self.phase))
 
     def _category_for(self, func: Any, args: tuple) -> Category:
         if self.phase is Phase.BACKWARD:
@@ -248,6 +256,7 @@ class StepTrace:
     parameter_count: int
     trainable_parameter_count: int
     largest_tensor: tuple[int, str, str] = (0, "", "")  # (elements, op, module)
+    largest_grid: tuple[int, str, str] = (0, "", "")  # (grid y/z extent, kernel, module)
 
 
 def _expected_input(model: nn.Module) -> tuple[str, tuple[int, ...] | None]:
@@ -360,7 +369,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                          channels_last=config.channels_last)
         if config.checkpointing and training:
             enable_checkpointing(twin)
-        tracer = Tracer()
+        tracer = Tracer(in_op_scratch=not device.is_cuda)
         params = list(twin.parameters())
         for p in params:
             tracer.register(p, Category.PARAMETERS)
@@ -379,6 +388,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             emulation = CudaEmulation(device.compute_capability,
                                       autocast_dtype=torch_dtype(amp) if amp else None)
             autocast = emulation.autocast_region if amp else None
+            emulation.where = tracer.current_module
         elif precision.autocast_dtype:
             amp_dtype = torch_dtype(precision.autocast_dtype)
             autocast = lambda: torch.autocast("cpu", dtype=amp_dtype)  # noqa: E731
@@ -444,7 +454,8 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         custom_ops=dict(tracer.custom_ops),
         parameter_count=sum(p.numel() for p in params),
         trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad),
-        largest_tensor=tracer.largest)
+        largest_tensor=tracer.largest,
+        largest_grid=emulation.largest_grid if emulation is not None else (0, "", ""))
 
 
 def _trace_optimizer(runner: Any, tracer: Tracer, marks: list[int]) -> None:
