@@ -34,6 +34,8 @@ _LAZY = {
     "bench": "batchfit.throughput",
     "BenchResult": "batchfit.throughput",
     "predict_throughput": "batchfit.roofline",
+    "find_batch_size": "batchfit.integrations.decorator",
+    "FoundBatchSize": "batchfit.integrations._trials",
 }
 
 __all__ = [
