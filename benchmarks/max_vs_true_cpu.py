@@ -363,7 +363,7 @@ def markdown(rows: list[dict], flaky: dict | None) -> str:
         "",
         ("| model | cap MiB | state MiB | `--memory` B | predicted | true max | error | "
          "measured overhead (batch 2) MiB | without overhead | "
-         "live peak at max: pred / meas MiB | overhead at max MiB (% cap) | "
+         "peak at max MiB: predicted (kernel scratch incl.) / live tensors measured | overhead at max MiB (% cap) | "
          "overhead fit: fixed MiB + KiB/sample | flaky (fits in runs) |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
