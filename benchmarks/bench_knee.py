@@ -10,15 +10,18 @@ For each small model, with a memory budget that puts the largest batch near a ta
     minutes apart on a shared machine, so two more columns separate the planner from that
     drift: the auto planner replayed on the dense sweep's own numbers (same noise), and the
     dense sweep's seconds for the batches auto chose over its seconds for all. The dense
-    sweep runs in 3 interleaved rounds (median per batch), each with a third of the timing
-    budget, so a change of load part-way through does not bend its curve.
+    sweep runs in 3 interleaved rounds (each batch's fastest round counts), each with a third
+    of the timing budget, so a change of load part-way through does not bend its curve.
 (b) Prediction. ``predict_throughput`` with a roofline measured on this CPU
-    (``measure_cpu_profile``, right after the model's dense sweep so both see the same load)
-    against the dense measurement, point by point. Goal: median step-time error within 25%;
-    and does the predicted knee match the measured one (within one grid step)? Also shown,
-    labelled as such: the error after one machine-wide scale factor (measured / predicted),
-    fitted on the *other* models only (leave one model out), the CPU counterpart of the
-    efficiency factors a GPU profile applies to its datasheet rates.
+    (``measure_cpu_profile``: rates by kind of op from training-step kernels, see
+    batchfit.roofline) against the dense measurement, point by point. The profile is measured
+    once before each of the dense sweep's rounds and combined kernel by kernel into the
+    fastest (``fastest_profile``), as the dense sweep keeps each batch's fastest round, so
+    both see the same load (the profiles' time is not counted in the dense sweep's). Goal:
+    median step-time error within 25%; and does the predicted knee match the measured one
+    (within one grid step)? Also shown, as a diagnostic of what is left: the residual scale
+    (median measured / predicted) of the *other* models' points and the error after
+    applying it (leave one model out); no prediction uses it.
 
 Timing: one intra-op thread, thread CPU time (``Clock.CPU``): the machine is shared and
 wall time by far noisier (see batchfit.throughput). AdamW, fp32, training.
@@ -41,7 +44,13 @@ import torch
 from torch import nn
 
 from batchfit.predict import estimate
-from batchfit.roofline import measure_cpu_profile, predict_throughput
+from batchfit.roofline import (
+    MEMORY_KINDS,
+    OpKind,
+    fastest_profile,
+    measure_cpu_profile,
+    predict_throughput,
+)
 from batchfit.spec import TrainConfig
 from batchfit.throughput import TimingConfig, batch_grid, bench, find_knee, next_auto_batch
 
@@ -100,17 +109,27 @@ def run_model(name: str, timing: TimingConfig, config: TrainConfig, scale: float
     target = max(8, int(target * scale))
     memory = budget_for(factory, inputs, target, config)
     print(f"[{name}] budget {memory / 2**20:.1f} MiB (target max batch {target})", flush=True)
-    auto = bench(factory, inputs, config, memory_bytes=memory, timing=timing)
-    print(f"[{name}] auto: {len(auto.points)} points, knee {auto.knee_batch_size}, "
-          f"{auto.measure_s:.1f} s of steps", flush=True)
+    measured: list[int] = []
+    auto = bench(factory, inputs, config, memory_bytes=memory, timing=timing,
+                 on_measure=measured.append)
+    print(f"[{name}] auto: {len(auto.points)} points ({len(measured)} measurements), knee "
+          f"{auto.knee_batch_size}, {auto.measure_s:.1f} s of steps", flush=True)
     grid = batch_grid(auto.max_batch_size)
+    profiles, profile_s = [], [0.0]
+
+    def profile_each_round(batch_size: int) -> None:
+        if batch_size == grid[0]:  # a round starts: measure the CPU under the same load
+            started = time.perf_counter()
+            profiles.append(measure_cpu_profile(clock=timing.clock))
+            profile_s[0] += time.perf_counter() - started
+
     dense = bench(factory, inputs, config, memory_bytes=memory, batches=list(grid),
-                  timing=replace(timing, rounds=DENSE_ROUNDS))
+                  timing=replace(timing, rounds=DENSE_ROUNDS), on_measure=profile_each_round)
+    dense_elapsed = dense.elapsed_s - profile_s[0]
     print(f"[{name}] dense: {len(dense.points)} points, knee {dense.knee_batch_size}, "
-          f"{dense.measure_s:.1f} s of steps", flush=True)
-    started = time.perf_counter()
-    profile = measure_cpu_profile(clock=timing.clock)
-    profile_s = time.perf_counter() - started
+          f"{dense.measure_s:.1f} s of steps; {len(profiles)} CPU profiles, "
+          f"{profile_s[0]:.1f} s", flush=True)
+    profile = fastest_profile(profiles)
     predicted = predict_throughput(factory, inputs, config, profile=profile, memory_bytes=memory,
                                    batches=list(grid))
     rows = []
@@ -118,7 +137,8 @@ def run_model(name: str, timing: TimingConfig, config: TrainConfig, scale: float
         rows.append({"batch_size": m.batch_size, "measured_step_s": m.step_s,
                      "measured_spread": m.spread, "predicted_step_s": p.step_s,
                      "error": p.step_s / m.step_s - 1, "compute_s": p.compute_s,
-                     "memory_s": p.memory_s, "overhead_s": p.overhead_s})
+                     "memory_s": p.memory_s, "overhead_s": p.overhead_s,
+                     "page_fault_s": p.page_fault_s})
     errors = [abs(r["error"]) for r in rows]
     rates = {p.batch_size: p.samples_per_s for p in dense.points if p.fits}
     replayed: dict[int, float] = {}
@@ -130,23 +150,25 @@ def run_model(name: str, timing: TimingConfig, config: TrainConfig, scale: float
         "model": name, "inputs": list(inputs), "memory_bytes": memory,
         "max_batch_size": auto.max_batch_size, "grid": list(grid),
         "auto": {"batches": [p.batch_size for p in auto.points], "knee": auto.knee_batch_size,
+                 "measurements": measured,
                  "best": auto.best_batch_size, "measure_s": auto.measure_s,
                  "elapsed_s": auto.elapsed_s},
         "dense": {"batches": [p.batch_size for p in dense.points], "knee": dense.knee_batch_size,
                   "best": dense.best_batch_size, "measure_s": dense.measure_s,
-                  "elapsed_s": dense.elapsed_s,
+                  "elapsed_s": dense_elapsed,
                   "median_spread": statistics.median(p.spread for p in dense.points if p.fits)},
         "knee_grid_steps": grid_steps(grid, auto.knee_batch_size, dense.knee_batch_size),
         "replay": {"batches": list(replayed), "knee": replay_knee,
                    "knee_grid_steps": grid_steps(grid, replay_knee, dense.knee_batch_size),
                    "cost_ratio": sum(cost[b] for b in replayed) / sum(cost.values())},
         "time_ratio_steps": auto.measure_s / dense.measure_s,
-        "time_ratio_total": auto.elapsed_s / dense.elapsed_s,
+        "time_ratio_total": auto.elapsed_s / dense_elapsed,
         "prediction": {"points": rows, "median_abs_error": statistics.median(errors),
                        "max_abs_error": max(errors), "knee": predicted.knee_batch_size,
                        "knee_grid_steps": grid_steps(grid, predicted.knee_batch_size,
                                                      dense.knee_batch_size),
-                       "profile": profile.to_dict(), "profile_s": profile_s},
+                       "profile": profile.to_dict(), "profile_s": profile_s[0],
+                       "profiles": len(profiles)},
         "auto_result": auto.to_dict(), "dense_result": dense.to_dict(),
     }
 
@@ -171,11 +193,18 @@ def render(results: list[dict], timing: TimingConfig, elapsed_s: float) -> str:
              (f"torch {torch.__version__}; timing: {timing.clock.value} clock, 1 thread, "
               f"warm-up {timing.warmup_steps} steps, adaptive_autorange (target IQR "
               f"{timing.target_spread:.0%}, {timing.min_run_s}-{timing.max_run_s} s per point); "
-              f"AdamW, fp32, training; knee tolerance 5%. Total run {elapsed_s / 60:.1f} min."), "",
+              f"AdamW, fp32, training; knee tolerance 5%; auto re-measures the batches its "
+              f"decisions rest on ({timing.confirm_runs} runs each) and a batch measured more "
+              f"than once counts by its fastest run. Total run {elapsed_s / 60:.1f} min."), "",
+             ("Errors are predicted / measured step time - 1 (+: predicted slower). Load from "
+              "the other processes on this shared 2-core machine slows steps by up to 2x from "
+              "one minute to the next and single measurements by 15-45%; near a flat top of the "
+              "curve (every batch within ~10% of the best) the 5% knee moves by several grid "
+              "steps with it, in the dense reference as in auto."), "",
              ("## (a) Adaptive sweep (auto, <= 8 points) vs dense sweep (every power of two and "
               "midpoint up to the maximum)"), "",
-             ("| model | max batch | dense points | dense knee | auto points | auto knee | "
-              "grid steps apart | points time auto/dense | total time auto/dense | "
+             ("| model | max batch | dense points | dense knee | auto points (measurements) | "
+              "auto knee | grid steps apart | points time auto/dense | total time auto/dense | "
               "replayed on dense data: points, knee (steps apart) | same-conditions cost | "
               "noise (median IQR) |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -184,49 +213,65 @@ def render(results: list[dict], timing: TimingConfig, elapsed_s: float) -> str:
         lines.append(
             f"| {r['model']} | {r['max_batch_size']} | {len(r['dense']['batches'])} | "
             f"{r['dense']['knee']} | {len(r['auto']['batches'])} "
-            f"({', '.join(map(str, r['auto']['batches']))}) | {r['auto']['knee']} | "
+            f"({', '.join(map(str, r['auto']['batches']))}; {len(r['auto']['measurements'])}) | "
+            f"{r['auto']['knee']} | "
             f"{r['knee_grid_steps']} | {r['auto']['measure_s']:.1f} / {r['dense']['measure_s']:.1f} s"
             f" = {r['time_ratio_steps']:.2f} | {r['auto']['elapsed_s']:.1f} / "
             f"{r['dense']['elapsed_s']:.1f} s = {r['time_ratio_total']:.2f} | "
             f"{len(replay['batches'])}, {replay['knee']} ({replay['knee_grid_steps']}) | "
             f"{replay['cost_ratio']:.2f} | {r['dense']['median_spread']:.1%} |")
     lines += ["", "## (b) Roofline prediction (CPU profile measured here) vs dense measurement", "",
-              ("| model | points | median abs error | max abs error | measured knee | "
-               "predicted knee | grid steps apart | scale from other models | "
-               "median abs error after scale |"),
-              "|---|---|---|---|---|---|---|---|---|"]
+              ("| model | points | median abs error | max abs error | median signed error | "
+               "measured knee | predicted knee | grid steps apart | (diagnostic) residual scale "
+               "of the other models | median abs error after it |"),
+              "|---|---|---|---|---|---|---|---|---|---|"]
     every = []
     for r in results:
         pred = r["prediction"]
         every += [abs(p["error"]) for p in pred["points"]]
         scaled = (f"{pred['loo_scale']:.2f} | {pred['loo_median_abs_error']:.0%}"
                   if "loo_scale" in pred else "- | -")
+        signed_model = statistics.median(p["error"] for p in pred["points"])
         lines.append(f"| {r['model']} | {len(pred['points'])} | {pred['median_abs_error']:.0%} | "
-                     f"{pred['max_abs_error']:.0%} | {r['dense']['knee']} | {pred['knee']} | "
-                     f"{pred['knee_grid_steps']} | {scaled} |")
+                     f"{pred['max_abs_error']:.0%} | {signed_model:+.0%} | {r['dense']['knee']} | "
+                     f"{pred['knee']} | {pred['knee_grid_steps']} | {scaled} |")
     signed = statistics.median(p["error"] for r in results for p in r["prediction"]["points"])
     lines += ["", (f"All points: median abs error {statistics.median(every):.0%} over "
                    f"{len(every)} points (median signed error {signed:+.0%})."),
-              "", "### CPU profiles", "",
-              ("| model | matmul GFLOP/s | conv GFLOP/s | copy GB/s | add GB/s (256 KiB .. 128 MiB) "
-               "| per-op overhead us |"), "|---|---|---|---|---|---|"]
+              "", "### CPU profiles (fastest of the profiles measured between the dense rounds)", "",
+              ("| model | matmul GFLOP/s (by FLOPs/byte) | conv fwd ; bwd GFLOP/s (stride 1) | "
+               "conv fwd ; bwd GFLOP/s (stride 2) | attention fwd ; bwd GFLOP/s | batch norm fwd ; "
+               "bwd GB/s | layer norm fwd ; bwd GB/s | elementwise GB/s (by bytes per op) | "
+               "latency conv / other us | overhead us/op | page faults ns/B |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         p = r["prediction"]["profile"]
-        curve = " / ".join(f"{rate / 1e9:.1f}" for _, rate in p["bandwidth_curve"])
-        lines.append(f"| {r['model']} | {p['matmul_flops_per_s'] / 1e9:.1f} | "
-                     f"{p['conv_flops_per_s'] / 1e9:.1f} | "
-                     f"{p['memory_bandwidth_bytes_per_s'] / 1e9:.1f} | {curve} | "
-                     f"{p['launch_overhead_s'] * 1e6:.1f} |")
+        kinds = p["kinds"]
+
+        def rates(*pair: OpKind, kinds: dict = kinds) -> str:
+            key = "bytes_per_s" if pair[0] in MEMORY_KINDS else "flops_per_s"
+            return " ; ".join(" / ".join(f"{rate / 1e9:.0f}" for _, rate in kinds[kind.value][key])
+                              for kind in pair)
+
+        lines.append(
+            f"| {r['model']} | {rates(OpKind.MATMUL)} | "
+            f"{rates(OpKind.CONV, OpKind.CONV_BACKWARD)} | "
+            f"{rates(OpKind.CONV_STRIDED, OpKind.CONV_BACKWARD_STRIDED)} | "
+            f"{rates(OpKind.ATTENTION, OpKind.ATTENTION_BACKWARD)} | "
+            f"{rates(OpKind.BATCH_NORM, OpKind.BATCH_NORM_BACKWARD)} | "
+            f"{rates(OpKind.LAYER_NORM, OpKind.LAYER_NORM_BACKWARD)} | {rates(OpKind.OTHER)} | "
+            f"{kinds['conv']['latency_s'] * 1e6:.0f} / {kinds['other']['latency_s'] * 1e6:.0f} | "
+            f"{p['launch_overhead_s'] * 1e6:.1f} | {p['page_fault_s_per_byte'] * 1e9:.2f} |")
     lines += ["", "### Per point", "",
-              ("| model | batch | measured ms (IQR) | predicted ms (compute / memory / overhead) "
-               "| error |"), "|---|---|---|---|---|"]
+              ("| model | batch | measured ms (IQR) | predicted ms (compute / memory / overhead / "
+               "page faults) | error |"), "|---|---|---|---|---|"]
     for r in results:
         for p in r["prediction"]["points"]:
             lines.append(
                 f"| {r['model']} | {p['batch_size']} | {p['measured_step_s'] * 1e3:.2f} "
                 f"({p['measured_spread']:.0%}) | {p['predicted_step_s'] * 1e3:.2f} "
                 f"({p['compute_s'] * 1e3:.2f} / {p['memory_s'] * 1e3:.2f} / "
-                f"{p['overhead_s'] * 1e3:.2f}) | {p['error']:+.0%} |")
+                f"{p['overhead_s'] * 1e3:.2f} / {p['page_fault_s'] * 1e3:.2f}) | {p['error']:+.0%} |")
     return "\n".join(lines) + "\n"
 
 

@@ -10,15 +10,22 @@ from torch import nn
 
 from batchfit.errors import InvalidInputError
 from batchfit.roofline import (
+    GLIBC_MMAP_THRESHOLD_MAX,
     GemmShape,
+    KindRates,
     OpCost,
+    OpKind,
     RooflineProfile,
     constant_costs,
+    fastest_profile,
     find_wave_boundaries,
     gemm_quantization,
     gemm_tiles,
     gemm_waves,
     gpu_roofline_profile,
+    interpolate,
+    measure_cpu_profile,
+    op_kind,
     pad_to,
     predict_throughput,
     step_costs,
@@ -110,6 +117,73 @@ def test_launch_floor_and_additive_overhead():
     assert host.step_s == pytest.approx(2 * (1000 / 1e12 + 5e-6))
 
 
+def cpu_profile(**changes) -> RooflineProfile:
+    return hand_profile(**{"async_launch": False, "sm_count": None, "tile": None,
+                           "launch_overhead_s": 0.0, **changes})
+
+
+def test_curves_interpolate_in_log_space_and_clamp():
+    curve = ((10.0, 1e9), (1000.0, 4e9))
+    assert float(interpolate(curve, 100.0)) == pytest.approx(2.5e9)  # halfway in log2
+    assert float(interpolate(curve, 1.0)) == 1e9 and float(interpolate(curve, 1e6)) == 4e9
+
+
+def test_kind_rates_latency_and_overhead_by_hand():
+    matmul = KindRates(flops_per_s=((10.0, 1e9), (1000.0, 4e9)), latency_s=1e-5)
+    other = KindRates(bytes_per_s=((1e3, 1e9), (1e6, 4e9)), latency_s=2e-6)
+    profile = cpu_profile(kinds={OpKind.MATMUL: matmul, OpKind.OTHER: other},
+                          launch_overhead_s=3e-6)
+    # 1e8 FLOPs over 1e6 bytes: 100 FLOPs per byte, halfway (log) on the curve: 2.5 GFLOP/s.
+    gemm = OpCost("aten.mm.default", 10**8, 10**6, (GemmShape(100, 100, 5000),))
+    (t,) = step_times(constant_costs([gemm], 1), profile, [1])
+    assert t.compute_s == pytest.approx(1e8 / 2.5e9)  # 40 ms; its bytes take 1 us at 1 TB/s
+    assert t.step_s == pytest.approx(0.04 + 1e-5 + 3e-6)
+    # 31,623 bytes is halfway (log) between 1 kB and 1 MB: 2.5 GB/s.
+    add = OpCost("aten.add.Tensor", 0, 31623)
+    (t,) = step_times(constant_costs([add], 1), profile, [1])
+    assert t.memory_s == pytest.approx(31623 / 2.5e9, rel=1e-4)
+    assert t.overhead_s == pytest.approx(2e-6 + 3e-6)
+    # A kind without rates (layer norm) falls back to the flat bandwidth, with no latency.
+    norm = OpCost("aten.native_layer_norm.default", 0, 10**6)
+    (t,) = step_times(constant_costs([norm], 1), profile, [1])
+    assert t.step_s == pytest.approx(1e6 / 1e12 + 3e-6)
+
+
+def test_gpu_profiles_keep_flat_rates_for_every_kind():
+    a100 = gpu_roofline_profile("A100", "fp32")
+    assert a100.kinds == {}
+    assert a100.flops_rate_for(50.0, OpKind.ATTENTION_BACKWARD) == a100.matmul_flops_per_s
+    assert a100.flops_rate_for(50.0, OpKind.CONV_BACKWARD_STRIDED) == a100.conv_flops_per_s
+    assert a100.bandwidth_for(1e6, OpKind.BATCH_NORM) == a100.memory_bandwidth_bytes_per_s
+    assert a100.latency_for(OpKind.CONV) == 0.0
+
+
+def test_outputs_past_the_mmap_threshold_pay_page_faults():
+    # 1 ns per byte from 32 MiB: a fresh 64 MiB output costs 67.1 ms more; 16 MiB nothing.
+    profile = cpu_profile(page_fault_s_per_byte=1e-9, mmap_threshold_bytes=32 << 20)
+    big = OpCost("aten.add.Tensor", 0, 3 * (64 << 20), allocated=(64 << 20,))
+    small = OpCost("aten.add.Tensor", 0, 3 * (16 << 20), allocated=(16 << 20,))
+    (t,) = step_times(constant_costs([big, small], 1), profile, [1])
+    assert t.page_fault_s == pytest.approx((64 << 20) * 1e-9)
+    assert t.step_s == pytest.approx(3 * (80 << 20) / 1e12 + (64 << 20) * 1e-9)
+    (t,) = step_times(constant_costs([big], 1), cpu_profile(page_fault_s_per_byte=1e-9), [1])
+    assert t.page_fault_s == 0.0  # no threshold (off glibc, or a GPU): no fault cost
+
+
+def test_fastest_profile_by_hand():
+    def one(overhead_us: float, rate: float, latency_us: float) -> RooflineProfile:
+        kinds = {OpKind.OTHER: KindRates(bytes_per_s=((1e3, rate), (1e6, 2 * rate)),
+                                         latency_s=latency_us * 1e-6)}
+        return cpu_profile(launch_overhead_s=overhead_us * 1e-6, kinds=kinds)
+
+    fastest = fastest_profile([one(2, 5e9, 4), one(9, 1e9, 3), one(1, 3e9, 6)])
+    assert fastest.launch_overhead_s == pytest.approx(1e-6)
+    assert fastest.kinds[OpKind.OTHER].bytes_per_s == ((1e3, 5e9), (1e6, 10e9))
+    assert fastest.kinds[OpKind.OTHER].latency_s == pytest.approx(3e-6)
+    with pytest.raises(InvalidInputError):
+        fastest_profile([])
+
+
 def test_wave_boundaries_of_a_sawtooth():
     found = find_wave_boundaries([767, 768, 769, 770], [99.0, 100.0, 60.0, 60.1])
     assert [w.batch_size for w in found] == [769]
@@ -139,6 +213,32 @@ def test_convolution_as_implicit_gemm():
     backward = next(op for op in ops if op.op.startswith("aten.convolution_backward"))
     # the input needs no gradient: only the weight gradient, M = 8, N = 27, K = 200
     assert backward.gemms == (GemmShape(8, 27, 200),)
+
+
+def test_op_kinds_by_name_and_stride():
+    assert op_kind("aten.mm.default") is OpKind.MATMUL
+    assert op_kind("aten.native_batch_norm_backward.default") is OpKind.BATCH_NORM_BACKWARD
+    assert op_kind("aten.convolution.default", strided=True) is OpKind.CONV_STRIDED
+
+    def model():
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8),
+                             nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.Flatten())
+
+    ops = trace_op_costs(model, (3, 8, 8), 2, optimizer="sgd", loss_fn=lambda out, b: out.sum())
+    kinds = [op.kind for op in ops if op.kind is not OpKind.OTHER]
+    assert kinds == [OpKind.CONV, OpKind.BATCH_NORM, OpKind.CONV_STRIDED,
+                     OpKind.CONV_BACKWARD_STRIDED, OpKind.BATCH_NORM_BACKWARD, OpKind.CONV_BACKWARD]
+
+
+def test_allocated_outputs_by_hand():
+    def model():
+        return nn.Sequential(nn.Linear(64, 32), nn.ReLU(inplace=True))
+
+    ops = trace_op_costs(model, (64,), 16, mode="infer")
+    addmm = next(op for op in ops if op.op.startswith("aten.addmm"))
+    relu = next(op for op in ops if op.op.startswith("aten.relu_"))
+    assert addmm.allocated == (16 * 32 * 4,)  # a fresh 16 x 32 fp32 output
+    assert relu.allocated == ()  # in place
 
 
 def tiny_cnn():
@@ -198,3 +298,19 @@ def test_predict_refuses_batches_above_the_maximum():
     with pytest.raises(InvalidInputError, match="above the largest that fits"):
         predict_throughput(tiny_cnn, (3, 12, 12), gpu="A100", batches=[8, 1 << 20],
                            max_batch_limit=64)
+
+
+@pytest.mark.slow
+def test_measured_cpu_profile_has_every_kind():
+    profile = measure_cpu_profile(clock="cpu", stream_bytes=(1 << 16, 1 << 20), min_run_s=0.005)
+    assert set(profile.kinds) == set(OpKind)
+    for kind, rates in profile.kinds.items():
+        curve = rates.flops_per_s or rates.bytes_per_s
+        assert len(curve) >= 2 and all(r > 0 for _, r in curve), kind
+        assert [x for x, _ in curve] == sorted(x for x, _ in curve)
+        assert rates.latency_s > 0
+    assert profile.launch_overhead_s >= 0 and not profile.async_launch
+    if profile.mmap_threshold_bytes is not None:
+        assert profile.mmap_threshold_bytes == GLIBC_MMAP_THRESHOLD_MAX
+    data = json.loads(json.dumps(profile.to_dict()))
+    assert set(data["kinds"]) == {kind.value for kind in OpKind}

@@ -19,10 +19,13 @@ from torch import nn
 
 from batchfit.errors import InvalidInputError
 from batchfit.throughput import (
+    ThroughputPoint,
     TimingConfig,
+    _run_auto,
     alignment_candidates,
     batch_grid,
     bench,
+    deciding_batches,
     epoch_seconds,
     find_knee,
     judge_alignment,
@@ -121,6 +124,75 @@ def test_planner_matches_dense_sweep_on_saturating_curves(overhead, per_sample, 
     assert len(seen) <= 8
     assert max(seen) == max_batch  # the maximum is always measured
     assert find_knee(list(seen), list(seen.values())).knee_batch_size == dense
+
+
+# -- confirming the deciding batches (a fake sweep, no device) ----------------------------------
+
+
+class FakeSweep:
+    """Measures a synthetic curve; the first measurement of ``slow_first`` takes 10% longer
+    (a burst of load elsewhere on the machine)."""
+
+    def __init__(self, rate, confirm_runs: int, slow_first: int | None = None):
+        self.rate, self.slow_first = rate, slow_first
+        self.timing = TimingConfig(confirm_runs=confirm_runs)
+        self.seen: list[int] = []
+
+    def measure(self, batch_size: int) -> ThroughputPoint:
+        self.seen.append(batch_size)
+        step_s = batch_size / self.rate(batch_size)
+        if batch_size == self.slow_first and self.seen.count(batch_size) == 1:
+            step_s *= 1.1
+        return ThroughputPoint(batch_size, True, step_s, 0.0, batch_size / step_s, None)
+
+
+def saturating(b: int) -> float:
+    return b / (0.01 + 0.001 * b)
+
+
+def knee_of(points) -> int:
+    return find_knee([p.batch_size for p in points], [p.samples_per_s for p in points]).knee_batch_size
+
+
+def test_deciding_batches_by_hand():
+    # Knee 32 (97 >= 95); the batch below it, 16; the best, 64.
+    assert deciding_batches({8: 50.0, 16: 80.0, 32: 97.0, 64: 100.0}) == (16, 32, 64)
+    # Best 32 with 64 above it (a peak): the knee is the best itself.
+    assert deciding_batches({8: 50.0, 16: 80.0, 32: 100.0, 64: 70.0}) == (16, 32, 64)
+    assert deciding_batches({4: 10.0}) == (4,)
+
+
+def test_the_deciding_batches_are_measured_again_in_rounds():
+    # The planner on the saturating curve (max 1024) measures 1, 12, 128, 1024 (coarse), then
+    # bisects the knee: 384, 256, 192 (see test_planner_finds_the_dense_knee...). The knee 192
+    # rests on 128 (below it) and 1024 (the best): those three get two more runs each,
+    # interleaved.
+    sweep = FakeSweep(saturating, confirm_runs=3)
+    points = _run_auto(sweep, 1024, 0.05, 8)
+    assert sweep.seen == [1, 12, 128, 1024, 384, 256, 192] + [128, 192, 1024] * 2
+    assert knee_of(points) == 192 and len(points) == 7
+
+
+def test_a_burst_on_one_measurement_does_not_move_the_knee():
+    # The first measurement of 1024 comes out 10% slow: 990.3 -> 900.3 samples/s, below
+    # 128's 927.5, so the coarse points show a false peak at 128.
+    # Without confirmation the planner searches that peak (48, 384, 768, 512: best 768 at
+    # 987.1, threshold 937.7) and runs out of points with knee 384, two grid steps off.
+    alone = FakeSweep(saturating, confirm_runs=1, slow_first=1024)
+    assert knee_of(_run_auto(alone, 1024, 0.05, 8)) == 384
+    assert alone.seen == [1, 12, 128, 1024, 48, 384, 768, 512]
+    # Confirming the peak first re-measures 128 and 1024 (1024's median is back to 990.3),
+    # and the planner then bisects the knee as on the clean curve.
+    confirmed = FakeSweep(saturating, confirm_runs=3, slow_first=1024)
+    assert knee_of(_run_auto(confirmed, 1024, 0.05, 8)) == 192
+    assert confirmed.seen == ([1, 12, 128, 1024] + [128, 1024] * 2 + [384, 256, 192]
+                              + [192] * 2)
+
+
+def test_confirm_runs_must_be_a_positive_integer():
+    with pytest.raises(InvalidInputError, match="confirm_runs"):
+        TimingConfig(confirm_runs=0)
+    assert TimingConfig(confirm_runs=2).to_dict()["confirm_runs"] == 2
 
 
 # -- alignment (pure) --------------------------------------------------------------------------

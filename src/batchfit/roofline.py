@@ -3,24 +3,57 @@
 The step (the one :mod:`batchfit.step` defines) runs once on fake tensors, as
 :func:`batchfit.trace.trace_step` runs it, under ``torch.utils.flop_counter.
 FlopCounterMode``. Every aten op that launches work becomes an :class:`OpCost`:
-its FLOPs (the counter's formulas: matmuls, convolutions, attention), the bytes
-it moves (its tensor inputs plus its outputs) and, for matmuls and dense
-convolutions, the GEMM shapes it runs (convolutions as implicit GEMMs). Views
-and bare allocations move nothing and launch nothing; they are skipped.
+its kind (:class:`OpKind`: matmul; convolution forward or backward, at stride 1
+or strided; fused attention, batch norm and layer norm, forward or backward;
+other), its FLOPs (the counter's formulas), the bytes it moves (its tensor
+inputs plus its outputs), the GEMM shapes it runs (convolutions as implicit
+GEMMs) and the bytes of each output it allocates. Views and bare allocations
+move nothing and launch nothing; they are skipped.
 
-Time of one op on a :class:`RooflineProfile`::
+Time of one op of kind ``k`` on a :class:`RooflineProfile`::
 
-    compute = flops / rate * quantization      (rate: matmul, conv or vector FLOP/s)
-    memory  = bytes / bandwidth
-    op      = max(compute, memory) + overhead   (CPU: ops run one after another)
-    op      = max(compute, memory, overhead)    (GPU: launches are asynchronous, so the
-                                                 host cost hides behind longer kernels)
+    intensity = flops / bytes                          (FLOPs per byte moved)
+    compute   = flops / rate_k(intensity) * quantization
+    memory    = bytes / bandwidth_k(bytes)
+    work      = max(compute, memory) + latency_k + page faults
+    op        = work + overhead            (CPU: ops run one after another)
+    op        = max(work, overhead)        (GPU: launches are asynchronous, so the host
+                                            cost hides behind longer kernels)
 
-and the step is the sum over ops. ``overhead`` is a per-op constant: on a GPU
-**5 us** (eager PyTorch dispatches a kernel every 5-10 us at best, so short
-kernels cannot run faster than that); on the CPU it is measured, with the other
-rates, by :func:`measure_cpu_profile` (framework cost per op of a real training
-step, a matmul, a convolution, and bandwidth by tensor size).
+and the step is the sum over ops.
+
+GPU profiles (:func:`gpu_roofline_profile`): every kind runs at a flat rate, the
+catalog's peak for the precision in use times ``DEFAULT_FLOPS_EFFICIENCY`` (0.75:
+large cuBLAS GEMMs reach 70-90% of the datasheet peak; the matmul rate for
+matmuls and attention, the conv rate for convolutions), memory at the datasheet
+bandwidth times ``DEFAULT_BANDWIDTH_EFFICIENCY`` (0.8); no latency or page
+faults; ``overhead`` is **5 us** (eager PyTorch dispatches a kernel every 5-10
+us at best, so short kernels cannot run faster than that). In fp32, matmuls use
+the fp32 rate (torch's ``allow_tf32`` is off for matmul) and convolutions the
+tf32 rate (cuDNN's is on), where the card has one.
+
+CPU profiles (:func:`measure_cpu_profile`) are measured, kind by kind, with
+kernels of that kind at training-step shapes, reading inputs that are not in
+cache: ``rate_k`` is a curve of FLOP/s against arithmetic intensity (matmul,
+convolutions, attention), ``bandwidth_k`` of bytes/s against bytes moved (the
+norms, and a step-like chain of elementwise ops for everything else), both
+interpolated in log scale; ``latency_k`` is the kind's time at a tiny shape;
+``overhead`` the framework's cost per op in a real training step. One flat
+roofline (the peak matmul rate and copy bandwidth) under-predicted every step of
+three small models here, by a median 39%, because kernels at a model's shapes
+run far below the peaks: in one profile, matmuls ran at 20 GFLOP/s (8 rows) to
+90 (1024 x 1024), 3x3 convolutions at 17-30 (an RGB stem) to 55-80, their
+strided backward at 11-18 to 37-43; batch norm's training forward moved 2 GB/s,
+elementwise ops 7-10 GB/s, a plain copy 10-18. Per kind, the median error over
+the same 52 points is 10% and 16% in two runs (benchmarks/bench_knee.py).
+
+Page faults (CPU). glibc serves every allocation of at least 32 MiB (its largest
+dynamic mmap threshold) from a fresh mapping and unmaps it on free, so each step
+faults those pages in again: an op whose output is that big pays
+``page_fault_s_per_byte`` (measured: a clone of 32 MiB against a copy into an
+existing tensor; 0.4-0.7 ns per byte here) on top. A small CNN at batch 256, whose
+first activations are exactly 32 MiB, ran at 60% of the samples/s it reached at
+192; the fault term predicts it within a few percent.
 
 Tile and wave quantization (GPU). A GEMM of M x N x K (``count`` of them for a
 batched GEMM) is cut into output tiles of ``tile = (TM, TN)``; the tiles run in
@@ -37,12 +70,7 @@ smaller than its tile gets the smallest power-of-two tile >= 16 covering it
 (:func:`tile_extent`: cuBLAS has skinny kernels, and M = 8 does not fill a
 256-row tile). Tensor cores want dimensions that are multiples of 16 bytes: K is
 padded to 8 elements for fp16/bf16, 4 for tf32, 16 for fp8 (M and N are
-already tile multiples). Rates:
-the catalog's peak for the precision in use, times ``DEFAULT_FLOPS_EFFICIENCY``
-(0.75: large cuBLAS GEMMs reach 70-90% of the datasheet peak); memory:
-datasheet bandwidth times ``DEFAULT_BANDWIDTH_EFFICIENCY`` (0.8). In fp32,
-matmuls use the fp32 rate (torch's ``allow_tf32`` is off for matmul) and
-convolutions the tf32 rate (cuDNN's is on), where the card has one.
+already tile multiples).
 
 Batch sizes. The per-op costs are affine in the batch size for most models
 (M = B x H x W, bytes = a + b x B), so the step is traced at three batch sizes
@@ -55,20 +83,29 @@ Known limitations:
     * cuBLAS picks among many tile shapes and split-K for small GEMMs; one tile
       per precision over-predicts small GEMMs. Grouped and depthwise
       convolutions, transposed convolutions and fused attention are not
-      quantized.
+      quantized. A GPU profile has no per-kind curves: small or odd-shaped
+      kernels run below the flat 75% of peak.
     * Fused attention (flash, memory-efficient) is traced through its math
-      path: FLOPs are right, bytes include the s x s matrix that a fused kernel
-      keeps on chip.
-    * Bytes count every input and output once; caches (CPU L2/L3, GPU L2) make
-      small tensors faster than the bandwidth says.
+      path on a GPU target: FLOPs are right, bytes include the s x s matrix
+      that a fused kernel keeps on chip.
+    * CPU rates are curves over one feature (intensity, or bytes): two
+      convolutions of the same intensity but other channel counts can run 1.3x
+      apart. Grouped, depthwise and 1x1 convolutions are timed on the 3x3
+      curves.
+    * Caches: the CPU's elementwise and norm rates are measured on inputs that
+      are not in cache, as most of a step's are; an optimizer whose tensors stay
+      in cache from one of its ops to the next (a small MLP's 4 MiB weights)
+      runs up to ~1.5x faster than predicted.
+    * Page faults are modelled for glibc's mapped blocks only: heap memory that
+      glibc trims and the next step faults in again (tens of MiB per step for a
+      CNN at batch 48-192 here, none for a transformer) is not.
     * No overlap between ops, no CUDA graphs, no torch.compile fusion.
-    * On this CPU the roofline under-predicts step time by a fairly uniform
-      factor (kernels at a model's small shapes run well below the
-      microbenchmarks: in-step oneDNN convolutions at ~20 GFLOP/s against 55,
-      batch norm at ~1 GB/s, hidden copies and fills inside kernels); the
-      predicted knee is what to trust (see benchmarks/bench_knee.py).
     * CPU flash attention, which torch has no FLOP formula for, is counted
-      with the CUDA kernels' formula.
+      with the CUDA kernels' formula (the profile's attention rates are counted
+      the same way, so they cancel).
+    * A CPU profile is a snapshot: on a shared machine measure it alongside
+      what it predicts (benchmarks/bench_knee.py measures one per round of its
+      sweep and keeps the fastest of each kernel).
 
 Example:
     >>> from batchfit.roofline import gemm_waves
@@ -81,8 +118,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 from batchfit.errors import InvalidInputError
@@ -183,7 +221,112 @@ def gemm_quantization(m: Any, n: Any, k: Any, sm_count: int, tile: tuple[int, in
     return scheduled / (count * m * n * k)
 
 
+# -- kinds of op ---------------------------------------------------------------------------
+
+
+class OpKind(StrEnum):
+    """The kind of kernel an op runs: a profile can give each kind its own rates.
+
+    Forward and backward kernels of a layer differ (batch norm's forward, which
+    computes the batch statistics, runs at half the bytes/s of its backward here), and
+    so do strided convolutions (oneDNN runs a stride-2 3x3 layer at about half the
+    FLOP/s of a stride-1 one, forward and backward).
+    """
+
+    MATMUL = "matmul"
+    CONV = "conv"
+    CONV_STRIDED = "conv_strided"
+    CONV_BACKWARD = "conv_backward"
+    CONV_BACKWARD_STRIDED = "conv_backward_strided"
+    ATTENTION = "attention"  #: fused scaled-dot-product attention (CPU flash)
+    ATTENTION_BACKWARD = "attention_backward"
+    BATCH_NORM = "batch_norm"
+    BATCH_NORM_BACKWARD = "batch_norm_backward"
+    LAYER_NORM = "layer_norm"
+    LAYER_NORM_BACKWARD = "layer_norm_backward"
+    OTHER = "other"  #: elementwise ops, reductions, copies, the optimizer's updates
+
+
+#: Position of each kind in :attr:`StepCosts.kind`.
+OP_KINDS = tuple(OpKind)
+#: Kinds whose time is their bytes (no FLOPs counted), and the convolution kinds.
+MEMORY_KINDS = (OpKind.BATCH_NORM, OpKind.BATCH_NORM_BACKWARD, OpKind.LAYER_NORM,
+                OpKind.LAYER_NORM_BACKWARD, OpKind.OTHER)
+CONV_KINDS = (OpKind.CONV, OpKind.CONV_STRIDED, OpKind.CONV_BACKWARD,
+              OpKind.CONV_BACKWARD_STRIDED)
+_KIND_BY_OP = {
+    **dict.fromkeys(("mm", "addmm", "bmm", "baddbmm"), OpKind.MATMUL),
+    "convolution": OpKind.CONV,
+    "convolution_backward": OpKind.CONV_BACKWARD,
+    **dict.fromkeys(("_scaled_dot_product_flash_attention_for_cpu",
+                     "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_efficient_attention"), OpKind.ATTENTION),
+    **dict.fromkeys(("_scaled_dot_product_flash_attention_for_cpu_backward",
+                     "_scaled_dot_product_flash_attention_backward",
+                     "_scaled_dot_product_efficient_attention_backward"), OpKind.ATTENTION_BACKWARD),
+    **dict.fromkeys(("native_batch_norm", "_native_batch_norm_legit",
+                     "_native_batch_norm_legit_no_training",
+                     "_native_batch_norm_legit_functional"), OpKind.BATCH_NORM),
+    "native_batch_norm_backward": OpKind.BATCH_NORM_BACKWARD,
+    "native_layer_norm": OpKind.LAYER_NORM,
+    "native_layer_norm_backward": OpKind.LAYER_NORM_BACKWARD,
+}
+_STRIDED = {OpKind.CONV: OpKind.CONV_STRIDED, OpKind.CONV_BACKWARD: OpKind.CONV_BACKWARD_STRIDED}
+
+
+def op_kind(op: str, strided: bool = False) -> OpKind:
+    """The kind of an op named as the trace names it (``"aten.mm.default"``); ``strided``:
+    a convolution with a stride above 1.
+
+    Example:
+        >>> op_kind("aten.addmm.default"), op_kind("aten.add.Tensor")
+        (<OpKind.MATMUL: 'matmul'>, <OpKind.OTHER: 'other'>)
+        >>> op_kind("aten.convolution_backward.default", strided=True).value
+        'conv_backward_strided'
+    """
+    parts = op.split(".")
+    kind = _KIND_BY_OP.get(parts[1] if len(parts) > 1 else op, OpKind.OTHER)
+    return _STRIDED.get(kind, kind) if strided else kind
+
+
 # -- profiles ------------------------------------------------------------------------------
+
+Curve = tuple[tuple[float, float], ...]
+
+
+def interpolate(curve: Curve, x: Any) -> Any:
+    """``curve`` (``(x, y)`` pairs, x ascending) at ``x``: linear in log2(x), clamped at the ends.
+
+    Example:
+        >>> float(interpolate(((1.0, 10.0), (4.0, 30.0)), 2.0)), float(interpolate(((1.0, 10.0), (4.0, 30.0)), 64.0))
+        (20.0, 30.0)
+    """
+    import numpy as np
+
+    xs = np.log2([max(a, 1e-30) for a, _ in curve])
+    return np.interp(np.log2(np.maximum(x, 1e-30)), xs, [b for _, b in curve])
+
+
+@dataclass(frozen=True)
+class KindRates:
+    """Measured rates of one :class:`OpKind` (a CPU profile has them; a GPU profile does not).
+
+    Attributes:
+        flops_per_s: ``(FLOPs per byte moved, FLOP/s)`` pairs, ascending: the compute
+            ceiling as a function of the op's arithmetic intensity (oneDNN and MKL run a
+            skinny GEMM or a 3-channel convolution far below their peak).
+        bytes_per_s: ``(bytes moved, bytes/s)`` pairs, ascending: the memory ceiling by
+            the op's size (batch norm runs well below a plain copy).
+        latency_s: seconds per call on top of the work (primitive lookup, reorders, setup).
+    """
+
+    flops_per_s: Curve = ()
+    bytes_per_s: Curve = ()
+    latency_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"flops_per_s": [list(p) for p in self.flops_per_s],
+                "bytes_per_s": [list(p) for p in self.bytes_per_s], "latency_s": self.latency_s}
 
 
 @dataclass(frozen=True)
@@ -193,9 +336,9 @@ class RooflineProfile:
     Attributes:
         name: display name.
         precision: the catalog precision key of the matmul rate ("fp32", "bf16"...).
-        matmul_flops_per_s, conv_flops_per_s, vector_flops_per_s: effective rates for
-            matmuls, convolutions and every other op with FLOPs.
-        memory_bandwidth_bytes_per_s: effective memory bandwidth.
+        matmul_flops_per_s, conv_flops_per_s, vector_flops_per_s: flat rates for
+            matmuls (and fused attention), convolutions, and every other op with FLOPs.
+        memory_bandwidth_bytes_per_s: flat memory bandwidth.
         launch_overhead_s: per-op overhead (see ``async_launch``).
         async_launch: True (GPU): an op takes at least the overhead; False (CPU): the
             overhead adds to every op.
@@ -203,8 +346,13 @@ class RooflineProfile:
         tile: the GEMM output tile; alignment: K padding in elements.
         bandwidth_curve: ``(bytes moved by one op, bytes/s)`` pairs, ascending; when
             given, an op's bandwidth is interpolated on it (log scale) instead of the
-            flat ``memory_bandwidth_bytes_per_s``: on a CPU small tensors stream from
-            cache and big fresh outputs pay page faults.
+            flat ``memory_bandwidth_bytes_per_s``.
+        kinds: :class:`KindRates` by :class:`OpKind`; a kind's curves, where given,
+            replace the flat rate and the bandwidth curve for ops of that kind.
+        page_fault_s_per_byte, mmap_threshold_bytes: a fresh output of at least
+            ``mmap_threshold_bytes`` costs ``page_fault_s_per_byte`` per byte on top (glibc
+            maps such blocks afresh on every allocation and unmaps them on free, so
+            every step faults their pages in again). None: no such cost.
         source: where the numbers come from.
     """
 
@@ -219,24 +367,44 @@ class RooflineProfile:
     sm_count: int | None = None
     tile: tuple[int, int] | None = None
     alignment: int = 1
-    bandwidth_curve: tuple[tuple[int, float], ...] = ()
+    bandwidth_curve: Curve = ()
+    kinds: Mapping[OpKind, KindRates] = field(default_factory=dict)
+    page_fault_s_per_byte: float = 0.0
+    mmap_threshold_bytes: int | None = None
     source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["tile"] = list(self.tile) if self.tile else None
         data["bandwidth_curve"] = [list(pair) for pair in self.bandwidth_curve]
+        data["kinds"] = {kind.value: rates.to_dict() for kind, rates in self.kinds.items()}
         return data
 
-    def bandwidth_for(self, bytes_moved: Any) -> Any:
-        """Bytes/s for an op moving ``bytes_moved``: the curve, log-interpolated, else flat."""
-        import numpy as np
+    def bandwidth_for(self, bytes_moved: Any, kind: OpKind = OpKind.OTHER) -> Any:
+        """Bytes/s for an op of ``kind`` moving ``bytes_moved``: its kind's curve, the
+        bandwidth curve, else the flat bandwidth (curves log-interpolated)."""
+        rates = self.kinds.get(kind)
+        if rates is not None and rates.bytes_per_s:
+            return interpolate(rates.bytes_per_s, bytes_moved)
+        if self.bandwidth_curve:
+            return interpolate(self.bandwidth_curve, bytes_moved)
+        return self.memory_bandwidth_bytes_per_s
 
-        if not self.bandwidth_curve:
-            return self.memory_bandwidth_bytes_per_s
-        sizes = np.log2([size for size, _ in self.bandwidth_curve])
-        rates = [rate for _, rate in self.bandwidth_curve]
-        return np.interp(np.log2(np.maximum(bytes_moved, 1)), sizes, rates)
+    def flops_rate_for(self, intensity: Any, kind: OpKind) -> Any:
+        """FLOP/s for an op of ``kind`` at ``intensity`` FLOPs per byte: its kind's curve,
+        else the flat rate (matmul for matmuls and attention, conv for convolutions)."""
+        rates = self.kinds.get(kind)
+        if rates is not None and rates.flops_per_s:
+            return interpolate(rates.flops_per_s, intensity)
+        if kind in (OpKind.MATMUL, OpKind.ATTENTION, OpKind.ATTENTION_BACKWARD):
+            return self.matmul_flops_per_s
+        if kind in CONV_KINDS:
+            return self.conv_flops_per_s
+        return self.vector_flops_per_s
+
+    def latency_for(self, kind: OpKind) -> float:
+        rates = self.kinds.get(kind)
+        return rates.latency_s if rates is not None else 0.0
 
 
 def _rate_keys(precision: Precision) -> tuple[str, str]:
@@ -290,96 +458,432 @@ def gpu_roofline_profile(gpu: Any, precision: Precision | str = Precision.FP32, 
         source=f"catalog {card.key}: peak x {flops_efficiency}, bandwidth x {bandwidth_efficiency}")
 
 
-def measure_cpu_profile(*, clock: Clock | str = Clock.WALL, matmul_size: int = 1024,
-                        stream_bytes: Sequence[int] = (1 << 18, 1 << 21, 1 << 24, 1 << 27),
-                        min_run_s: float = 0.3) -> RooflineProfile:
-    """Measure this CPU's roofline. Takes 5-10 seconds.
+#: (rows, width) of the linear layers whose three GEMMs (forward, data gradient, weight
+#: gradient) make the matmul curve: ~4, 16, 57 and 171 FLOPs per byte.
+CPU_MATMUL_SHAPES = ((8, 1024), (1024, 64), (1024, 256), (1024, 1024))
+#: (batch, channels in, channels out, height = width, stride) of the 3x3 convolutions behind
+#: the convolution curves: an RGB stem, a narrow and a wide layer, at stride 1 and at 2.
+CPU_CONV_SHAPES = ((8, 3, 16, 64, 1), (8, 32, 32, 32, 1), (4, 256, 256, 8, 1),
+                   (8, 3, 16, 64, 2), (4, 64, 128, 32, 2), (2, 256, 512, 16, 2))
+#: (batch, heads, tokens, head size) of the attention points.
+CPU_ATTENTION_SHAPES = ((8, 4, 32, 32), (2, 8, 256, 64))
+#: Input shapes of the batch-norm (N, C, H, W) and layer-norm (rows, width) points.
+CPU_BATCH_NORM_SHAPES = ((8, 128, 8, 8), (16, 64, 32, 32))
+CPU_LAYER_NORM_SHAPES = ((256, 256), (4096, 256))
+#: glibc's largest dynamic mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit): blocks this
+#: big are always mapped afresh and unmapped on free (malloc/malloc.c).
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
+#: Bytes cycled through by the bandwidth curve: well above a CPU's last-level cache.
+_COLD_WORKING_SET = 128 << 20
 
-    * matmul FLOP/s: ``2 n**3 / t`` for an n x n fp32 matmul (the peak);
-    * convolution FLOP/s: forward and backward of a 3x3, 64-channel convolution on
-      16 x 64 x 32 x 32 (oneDNN runs convolutions well below the matmul peak);
-    * bandwidth: ``dst.copy_(src)`` of the largest ``stream_bytes`` (the peak), and
-      a curve of ``torch.add(x, y)`` into a fresh output at each of ``stream_bytes``
-      (3 x that many bytes moved per op), cycling through 256 MiB of tensors so
-      the inputs come from memory, not cache, as in a real step (here: 16 GB/s
-      at 256 KiB, 10-11 GB/s from 16 MiB);
-    * per-op overhead: a training step (AdamW) of a deep, narrow MLP (16 layers of
-      16 x 16) at batch 1, divided by the ops its trace counts: the framework's
-      cost per op in a real step (module calls, autograd, the optimizer's loop):
-      11 us here, where one bare ``x + x`` takes 3 us.
+
+def measure_cpu_profile(*, clock: Clock | str = Clock.WALL,
+                        stream_bytes: Sequence[int] = (1 << 16, 1 << 19, 1 << 22, 1 << 24),
+                        min_run_s: float = 0.05) -> RooflineProfile:
+    """Measure this CPU's roofline, kind by kind, with kernels like a training step's.
+
+    Each kernel is timed by ``torch.utils.benchmark`` (median of 5 blocks, ``min_run_s``
+    in all) on copies of its inputs that add up to 64 MiB, so that it reads them from
+    memory as an op in a step reads what earlier ops wrote; its work is counted as the
+    trace counts an op's (FLOPs by ``FlopCounterMode``, bytes as inputs plus outputs),
+    so a rate here is what the prediction divides by. About 60 kernels: 10-20 seconds
+    on this (shared, 2-core) machine. Numbers below are from profiles measured here.
+
+    * matmul: the three GEMMs of a linear layer (forward ``x W^T``, ``g W``, ``g^T x``)
+      at :data:`CPU_MATMUL_SHAPES`: FLOP/s against FLOPs per byte (20 GFLOP/s for 8
+      rows, 80-120 for 1024);
+    * convolutions: forward and backward of the 3x3 layers of :data:`CPU_CONV_SHAPES`,
+      at stride 1 and strided as separate kinds, same axes (an RGB stem at 20-40
+      GFLOP/s, a wide layer at 60-100; strided backward at 15-25 to 45-75);
+    * attention (CPU flash) forward and backward at :data:`CPU_ATTENTION_SHAPES`, same
+      axes; batch norm and layer norm, training forward and backward, bytes/s against
+      bytes moved (batch norm's forward, which computes the batch statistics, 2 GB/s;
+      its backward 6-9);
+    * every other op: a step-like chain of elementwise ops (pointwise, broadcast add,
+      transposing copy, activation backward, reduction; :func:`_elementwise_chain`) on
+      tensors of each of ``stream_bytes``, bytes/s against bytes moved per op: 7-14
+      GB/s, where a lone ``torch.add`` on memory it just used streams 14-18;
+    * latency per kind: the same kernels at tiny shapes (a convolution 30-45 us, an add
+      2-4 us); the curves above are of the work beyond it;
+    * page faults: a clone of :data:`GLIBC_MMAP_THRESHOLD_MAX` bytes (a fresh mapping)
+      against a copy into an existing tensor, per byte (0.4-0.7 ns); outputs that
+      large pay it;
+    * per-op overhead: a training step (AdamW, batch 1) of a tiny network of the common
+      layer types (:func:`_calibration_model`: convolution, batch norm, pooling, linear,
+      a transformer encoder layer, layer norm), minus what the rates above predict for
+      its ops, per op: the framework's cost (module code, autograd, the optimizer's
+      loop), 12-20 us (a bare stack of linear layers shows ~6 us: its modules run
+      less Python per op).
 
     ``clock`` as in :class:`batchfit.throughput.TimingConfig` (``cpu``: one thread,
     thread CPU time).
 
     Example:
-        >>> p = measure_cpu_profile(matmul_size=256, stream_bytes=(1 << 16, 1 << 20), min_run_s=0.02)
-        >>> p.matmul_flops_per_s > 1e8 and p.memory_bandwidth_bytes_per_s > 1e8
+        >>> p = measure_cpu_profile(stream_bytes=(1 << 16, 1 << 20), min_run_s=0.005)
+        >>> p.matmul_flops_per_s > 1e8 and p.kinds["conv"].latency_s > 0
         True
     """
     import torch
-    from torch.utils.benchmark import Timer
 
     clock = parse_enum(Clock, clock, "clock")
     threads = 1 if clock is Clock.CPU else torch.get_num_threads()
-    extra: dict[str, Any] = {"timer": time.thread_time} if clock is Clock.CPU else {}
-
-    def median_s(stmt: str, **names: Any) -> float:
-        timer = Timer(stmt=stmt, globals={"torch": torch, **names}, num_threads=threads, **extra)
-        return float(timer.adaptive_autorange(threshold=0.03, min_run_time=min_run_s,
-                                              max_run_time=10 * min_run_s).median)
-
+    timer = _KernelTimer(threads, time.thread_time if clock is Clock.CPU else None, min_run_s)
     generator = torch.Generator().manual_seed(0)
-    a = torch.randn(matmul_size, matmul_size, generator=generator)
-    matmul = 2 * matmul_size**3 / median_s("torch.mm(a, a, out=c)", a=a, c=torch.empty_like(a))
-    conv = torch.nn.Conv2d(64, 64, 3, padding=1, bias=False)
-    image = torch.randn(16, 64, 32, 32, generator=generator, requires_grad=True)
-    conv_flops = 3 * 2 * 16 * 32 * 32 * 64 * 64 * 9  # forward, data and weight gradients
-    conv_rate = conv_flops / median_s("conv(image).sum().backward()", conv=conv, image=image)
-    curve = [(3 * nbytes, 3 * nbytes / median_s("add()", add=_cold_add(nbytes)))
-             for nbytes in sorted(stream_bytes)]
-    src = torch.ones(max(stream_bytes) // 4)
-    bandwidth = 2 * src.nbytes / median_s("dst.copy_(src)", src=src, dst=torch.empty_like(src))
-    overhead = _per_op_overhead_s(median_s)
-    return RooflineProfile(
-        name="cpu (measured)", precision="fp32", matmul_flops_per_s=matmul,
-        conv_flops_per_s=conv_rate, vector_flops_per_s=matmul,
-        memory_bandwidth_bytes_per_s=bandwidth, launch_overhead_s=overhead, async_launch=False,
-        bandwidth_curve=tuple(curve),
-        source=f"measured here: {matmul_size}^3 fp32 matmul, 3x3 conv, copy and add of "
-               f"{min(stream_bytes) >> 10} KiB-{max(stream_bytes) >> 20} MiB, tiny op; "
-               f"{threads} thread(s), {clock.value} clock")
+    kinds = _measure_kinds(timer, generator, stream_bytes)
+    fault_s, threshold = _measure_page_faults(timer)
+    src = torch.ones((max(stream_bytes) // 4,))
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.nbytes / timer.seconds(lambda: dst.copy_(src))
+    draft = RooflineProfile(
+        name="cpu (measured)", precision="fp32",
+        matmul_flops_per_s=max(r for _, r in kinds[OpKind.MATMUL].flops_per_s),
+        conv_flops_per_s=max(r for _, r in kinds[OpKind.CONV].flops_per_s),
+        vector_flops_per_s=max(r for _, r in kinds[OpKind.MATMUL].flops_per_s),
+        memory_bandwidth_bytes_per_s=bandwidth, launch_overhead_s=0.0, async_launch=False,
+        kinds=kinds, page_fault_s_per_byte=fault_s, mmap_threshold_bytes=threshold,
+        source=(f"measured here: matmul, convolution, attention and norm kernels of "
+                f"training-step shapes, an elementwise chain, page faults, a tiny network's step; "
+                f"{threads} thread(s), {clock.value} clock"))
+    return replace(draft, launch_overhead_s=_per_op_overhead_s(timer, draft))
 
 
-#: Bytes cycled through by the bandwidth curve: well above any CPU's last-level cache.
-_COLD_WORKING_SET = 256 << 20
+#: Timed blocks per kernel (their median is the kernel's time).
+_BLOCKS = 5
+#: Latencies and the calibration step are short calls, cheap to time for longer: they set
+#: the per-op costs that dominate small batches.
+_SHORT_RUNS = 2.0
 
 
-def _cold_add(nbytes: int) -> Any:
-    """``torch.add(x, y)`` into a fresh output, over a ring of tensors too big to stay cached."""
-    import torch
+class _KernelTimer:
+    """Median seconds of a call, by torch.utils.benchmark, on the profile's threads and clock."""
 
-    count = max(2, _COLD_WORKING_SET // nbytes)
-    ring = [torch.ones(max(1, nbytes // 4)) for _ in range(count)]
+    def __init__(self, threads: int, clock: Any, min_run_s: float) -> None:
+        import torch
+
+        self.threads, self.clock, self.min_run_s = threads, clock, min_run_s
+        #: Memory that cold copies of kernel inputs are placed in (faulted in once, here).
+        self.pool = torch.ones(_COLD_WORKING_SET // 2 // 4)
+
+    def seconds(self, fn: Any, scale: float = 1.0) -> float:
+        """Median over ``_BLOCKS`` blocks of calls (``scale * min_run_s`` in all), after two
+        warm-up calls."""
+        import statistics
+
+        from torch.utils.benchmark import Timer
+
+        extra = {"timer": self.clock} if self.clock is not None else {}
+        timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=self.threads, **extra)
+        once = timer.timeit(1).median  # after two warm-up calls
+        number = max(1, round(scale * self.min_run_s / _BLOCKS / max(once, 1e-7)))
+        return float(statistics.median(timer.timeit(number).median for _ in range(_BLOCKS)))
+
+    def work(self, call: Any, inputs: tuple) -> tuple[int, int, float]:
+        """``(flops, bytes moved, seconds)`` of ``call(*inputs)``, counted as the trace counts
+        an op and timed on cold copies of the inputs (see :func:`_cold_calls`)."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from batchfit import _torch_internals as ti
+
+        with FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas()) as counter:
+            out = call(*inputs)
+        moved = sum(_tensor_bytes(t) for t in inputs)
+        moved += sum(_tensor_bytes(t) for t in ti.iter_tensors(out))
+        return (int(counter.get_total_flops()), int(moved),
+                self.seconds(_cold_calls(call, inputs, self.pool)))
+
+    def latency(self, kernels: Sequence[tuple[Any, tuple]]) -> float:
+        """Mean seconds of tiny kernels (their inputs stay in cache: this is fixed cost)."""
+        return sum(self.seconds(lambda call=call, inputs=inputs: call(*inputs), _SHORT_RUNS)
+                   for call, inputs in kernels) / len(kernels)
+
+
+def _cold_calls(call: Any, inputs: tuple, pool: Any) -> Any:
+    """``call`` cycling through copies of ``inputs`` laid out in ``pool`` (float32, as big as
+    it holds, up to 32 sets), so that each call reads them from memory, as an op in a step
+    reads what earlier ops wrote."""
+    sizes = [t.numel() for t in inputs]
+    copies = max(1, min(32, pool.numel() // max(sum(sizes), 1)))
+    sets, offset = [inputs], 0
+    for _ in range(copies - 1):
+        placed = []
+        for tensor, size in zip(inputs, sizes):
+            placed.append(pool[offset:offset + size].view(tensor.shape).copy_(tensor))
+            offset += size
+        sets.append(tuple(placed))
     position = [0]
 
-    def add() -> Any:
-        i = position[0] = (position[0] + 1) % count
-        return torch.add(ring[i], ring[i - 1])
+    def run() -> Any:
+        position[0] = (position[0] + 1) % copies
+        return call(*sets[position[0]])
 
-    return add
+    return run
 
 
-def _calibration_mlp() -> Any:
+def _rate_point(points: Sequence[tuple[int, int, float]], latency_s: float,
+                per_byte: bool = False) -> tuple[float, float]:
+    """One curve point from kernels measured together: ``(FLOPs per byte, FLOP/s)`` of the
+    work beyond each call's latency, or ``(bytes per call, bytes/s)`` with ``per_byte``."""
+    flops = sum(f for f, _, _ in points)
+    moved = sum(b for _, b, _ in points)
+    seconds = sum(max(t - latency_s, t / 2) for _, _, t in points)
+    if per_byte:
+        return moved / len(points), moved / seconds
+    return flops / moved, flops / seconds
+
+
+def _measure_kinds(timer: _KernelTimer, generator: Any,
+                   stream_bytes: Sequence[int]) -> dict[OpKind, KindRates]:
+    kernels = {
+        OpKind.MATMUL: _matmul_kernels(generator),
+        **_conv_kernels(generator),
+        **_attention_kernels(generator),
+        **_norm_kernels(generator),
+    }
+    found = {}
+    for kind, (tiny, *groups) in kernels.items():
+        latency = timer.latency(tiny)
+        per_byte = kind in MEMORY_KINDS
+        curve = _curve([_rate_point([timer.work(call, inputs) for call, inputs in group], latency,
+                                    per_byte) for group in groups])
+        found[kind] = (KindRates(bytes_per_s=curve, latency_s=latency) if per_byte
+                       else KindRates(flops_per_s=curve, latency_s=latency))
+    found[OpKind.OTHER] = _measure_elementwise(timer, generator, stream_bytes)
+    return found
+
+
+def _curve(points: Sequence[tuple[float, float]]) -> Curve:
+    return tuple(sorted(points))
+
+
+# The kernels of each kind: [tiny group, group, group, ...]: the tiny group gives the
+# kind's latency, each other group one curve point; a group is a list of
+# (call, input tensors), timed as call(*inputs).
+Kernels = list[list[tuple[Any, tuple]]]
+
+
+def _matmul_kernels(generator: Any) -> Kernels:
+    import torch
+
+    def linear(rows: int, width: int) -> list[tuple[Any, tuple]]:
+        x, g = (torch.randn(rows, width, generator=generator) for _ in range(2))
+        w, b = torch.randn(width, width, generator=generator), torch.randn(width, generator=generator)
+        return [(lambda b, x, w: torch.addmm(b, x, w.t()), (b, x, w)), (torch.mm, (g, w)),
+                (lambda g, x: torch.mm(g.t(), x), (g, x))]
+
+    return [linear(8, 8)] + [linear(rows, width) for rows, width in CPU_MATMUL_SHAPES]
+
+
+def _conv_kernels(generator: Any) -> dict[OpKind, Kernels]:
+    """Forward and backward of the 3x3 convolutions of :data:`CPU_CONV_SHAPES`, by stride."""
+    import torch
+
+    aten = torch.ops.aten
+
+    def layer(batch: int, c_in: int, c_out: int, size: int, stride: int) -> tuple[Any, Any]:
+        x = torch.randn(batch, c_in, size, size, generator=generator)
+        w = torch.randn(c_out, c_in, 3, 3, generator=generator)
+        out_size = (size - 1) // stride + 1
+        grad = torch.randn(batch, c_out, out_size, out_size, generator=generator)
+        strides = [stride, stride]
+        mask = [c_in > 3, True, False]  # a stem's input needs no gradient
+
+        def forward(x: Any, w: Any) -> Any:
+            return aten.convolution(x, w, None, strides, [1, 1], [1, 1], False, [0, 0], 1)
+
+        def backward(grad: Any, x: Any, w: Any) -> Any:
+            return aten.convolution_backward(grad, x, w, None, strides, [1, 1], [1, 1], False,
+                                             [0, 0], 1, mask)
+
+        return [(forward, (x, w))], [(backward, (grad, x, w))]
+
+    found: dict[OpKind, Kernels] = {}
+    for stride, (forward_kind, backward_kind) in ((1, (OpKind.CONV, OpKind.CONV_BACKWARD)),
+                                                  (2, (OpKind.CONV_STRIDED,
+                                                       OpKind.CONV_BACKWARD_STRIDED))):
+        layers = [layer(1, 4, 4, 8, stride)] + [layer(*shape) for shape in CPU_CONV_SHAPES
+                                                if shape[-1] == stride]
+        found[forward_kind] = [forward for forward, _ in layers]
+        found[backward_kind] = [backward for _, backward in layers]
+    return found
+
+
+def _attention_kernels(generator: Any) -> dict[OpKind, Kernels]:
+    import torch
+
+    aten = torch.ops.aten
+
+    def attention(*shape: int) -> tuple[Any, Any]:
+        q, k, v = (torch.randn(*shape, generator=generator) for _ in range(3))
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+        grad = torch.randn(out.shape, generator=generator)
+
+        def backward(*args: Any) -> Any:
+            return aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, 0.0, False)
+
+        return ([(aten._scaled_dot_product_flash_attention_for_cpu, (q, k, v))],
+                [(backward, (grad, q, k, v, out, lse))])
+
+    pairs = [attention(1, 1, 8, 16)] + [attention(*shape) for shape in CPU_ATTENTION_SHAPES]
+    return {OpKind.ATTENTION: [f for f, _ in pairs], OpKind.ATTENTION_BACKWARD: [b for _, b in pairs]}
+
+
+def _norm_kernels(generator: Any) -> dict[OpKind, Kernels]:
+    """Training forward and backward of batch norm and layer norm."""
+    import torch
+
+    aten = torch.ops.aten
+
+    def batch_norm(*shape: int) -> tuple[Any, Any]:
+        x, grad = (torch.randn(*shape, generator=generator) for _ in range(2))
+        c = shape[1]
+        weight, bias, mean, var = torch.ones(c), torch.zeros(c), torch.zeros(c), torch.ones(c)
+        _, saved_mean, saved_invstd = aten.native_batch_norm(x, weight, bias, mean, var, True,
+                                                             0.1, 1e-5)
+
+        def forward(x: Any, weight: Any, bias: Any, mean: Any, var: Any) -> Any:
+            return aten.native_batch_norm(x, weight, bias, mean, var, True, 0.1, 1e-5)
+
+        def backward(*args: Any) -> Any:
+            return aten.native_batch_norm_backward(*args, True, 1e-5, [True, True, True])
+
+        return ([(forward, (x, weight, bias, mean, var))],
+                [(backward, (grad, x, weight, mean, var, saved_mean, saved_invstd))])
+
+    def layer_norm(rows: int, width: int) -> tuple[Any, Any]:
+        x, grad = (torch.randn(rows, width, generator=generator) for _ in range(2))
+        weight, bias = torch.ones(width), torch.zeros(width)
+        _, mean, rstd = aten.native_layer_norm(x, [width], weight, bias, 1e-5)
+
+        def backward(grad: Any, x: Any, mean: Any, rstd: Any, weight: Any, bias: Any) -> Any:
+            return aten.native_layer_norm_backward(grad, x, [width], mean, rstd, weight, bias,
+                                                   [True, True, True])
+
+        return ([(lambda x, w, b: aten.native_layer_norm(x, [width], w, b, 1e-5), (x, weight, bias))],
+                [(backward, (grad, x, mean, rstd, weight, bias))])
+
+    batch = [batch_norm(1, 4, 4, 4)] + [batch_norm(*shape) for shape in CPU_BATCH_NORM_SHAPES]
+    layer = [layer_norm(4, 16)] + [layer_norm(*shape) for shape in CPU_LAYER_NORM_SHAPES]
+    return {OpKind.BATCH_NORM: [f for f, _ in batch], OpKind.BATCH_NORM_BACKWARD: [b for _, b in batch],
+            OpKind.LAYER_NORM: [f for f, _ in layer], OpKind.LAYER_NORM_BACKWARD: [b for _, b in layer]}
+
+
+#: Width of the tensors in the elementwise chain (a layer's feature size).
+_CHAIN_WIDTH = 256
+
+
+def _elementwise_chain(nbytes: int, generator: Any, pool: Any) -> tuple[Any, int, int]:
+    """A step-like chain of elementwise ops on tensors of ``nbytes``: ``(run, ops, bytes moved)``.
+
+    Each op reads the previous op's output and writes a buffer of its own, cycling
+    through the buffers in ``pool`` (written long ago, so not in cache): a pointwise
+    op, a broadcast add (a bias), a transposing copy (heads split or merged), an
+    activation's backward (two inputs) and a reduction over the batch (a bias gradient),
+    none of which drifts the values into denormals over many runs. Outputs are
+    preallocated, so no allocator work or page faults are timed.
+    """
+    import torch
+
+    rows = max(8, nbytes // 4 // _CHAIN_WIDTH // 8 * 8)
+    count = max(10, min(64, pool.numel() // (rows * _CHAIN_WIDTH)))
+    if count * rows * _CHAIN_WIDTH > pool.numel():
+        pool = torch.empty(count * rows * _CHAIN_WIDTH)
+    buffers = list(pool[:count * rows * _CHAIN_WIDTH].view(count, rows, _CHAIN_WIDTH))
+    buffers[0].copy_(torch.randn(rows, _CHAIN_WIDTH, generator=generator))
+    for buffer in buffers[1:]:
+        buffer.copy_(buffers[0])
+    bias, reduced = torch.randn(_CHAIN_WIDTH, generator=generator), torch.empty(_CHAIN_WIDTH)
+    groups = _CHAIN_WIDTH // 32
+
+    def run() -> None:
+        for i in range(count):
+            x, out = buffers[i - 1], buffers[i]
+            step = i % 5
+            if step == 0:
+                torch.clamp_min(x, 0.0, out=out)
+            elif step == 1:
+                torch.add(x, bias, out=out)
+            elif step == 2:
+                out.view(groups, rows, 32).copy_(x.view(rows, groups, 32).transpose(0, 1))
+            elif step == 3:
+                torch.ops.aten.threshold_backward.grad_input(x, buffers[i - 2], 0.0, grad_input=out)
+            else:
+                torch.sum(x, 0, out=reduced)
+
+    tensors_moved = {0: 2, 1: 2, 2: 2, 3: 3, 4: 1}  # inputs + outputs, as the trace counts
+    moved = sum(tensors_moved[i % 5] for i in range(count)) * rows * _CHAIN_WIDTH * 4
+    return run, count, moved
+
+
+def _measure_elementwise(timer: _KernelTimer, generator: Any,
+                         stream_bytes: Sequence[int]) -> KindRates:
+    """Bytes/s of :func:`_elementwise_chain` by bytes moved per op, and an add's latency."""
+    import torch
+
+    tiny = torch.ones(16)
+    latency = timer.seconds(lambda: torch.add(tiny, tiny), _SHORT_RUNS)
+    curve = []
+    for nbytes in sorted(stream_bytes):
+        run, ops, moved = _elementwise_chain(nbytes, generator, timer.pool)
+        seconds = timer.seconds(run)
+        curve.append((moved / ops, moved / max(seconds - ops * latency, seconds / 2)))
+    return KindRates(bytes_per_s=tuple(curve), latency_s=latency)
+
+
+def _mmap_threshold() -> int | None:
+    """Bytes from which glibc maps every allocation afresh; None off glibc."""
+    import os
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    pinned = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+    return int(pinned) if pinned.isdigit() else GLIBC_MMAP_THRESHOLD_MAX
+
+
+def _measure_page_faults(timer: _KernelTimer) -> tuple[float, int | None]:
+    """Seconds per byte of first touching a fresh mapping, and the size that gets one."""
+    import torch
+
+    threshold = _mmap_threshold()
+    if threshold is None:
+        return 0.0, None
+    src = torch.ones(max(threshold, GLIBC_MMAP_THRESHOLD_MAX) // 4)
+    dst = torch.empty_like(src)
+    fresh = timer.seconds(lambda: src.clone())
+    reused = timer.seconds(lambda: dst.copy_(src))
+    return max(0.0, fresh - reused) / src.nbytes, threshold
+
+
+#: The calibration network's per-sample input.
+_CALIBRATION_INPUT = (3, 8, 8)
+
+
+def _calibration_model() -> Any:
+    """A tiny network of the common layer types, for the framework's cost per op: a
+    convolution, batch norm, pooling, linear layers, a transformer encoder layer and
+    layer norm; at batch 1 its step is nearly all overhead."""
     from torch import nn
 
-    layers: list[Any] = []
-    for _ in range(16):
-        layers += [nn.Linear(16, 16), nn.ReLU()]
-    return nn.Sequential(*layers)
+    class Calibration(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.MaxPool2d(2))
+            self.proj = nn.Linear(8, 32)
+            self.block = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+            self.norm = nn.LayerNorm(32)
+            self.head = nn.Linear(32, 10)
+
+        def forward(self, x: Any) -> Any:
+            tokens = self.stem(x).flatten(2).transpose(1, 2)  # (batch, 16 pixels, 8 channels)
+            return self.head(self.norm(self.block(self.proj(tokens))).mean(1))
+
+    return Calibration()
 
 
-def _per_op_overhead_s(median_s: Any) -> float:
-    """Seconds per traced op of an overhead-bound training step (see measure_cpu_profile)."""
+def _per_op_overhead_s(timer: _KernelTimer, profile: RooflineProfile) -> float:
+    """Framework seconds per op of an overhead-bound training step (see measure_cpu_profile):
+    its time minus what ``profile`` (without overhead) predicts for its ops."""
     import torch
 
     from batchfit.step import StepRunner, make_batch, normalize_input_spec
@@ -388,15 +892,55 @@ def _per_op_overhead_s(median_s: Any) -> float:
     config = TrainConfig(optimizer="adamw")
     rng = torch.get_rng_state()
     try:
-        batch = make_batch(normalize_input_spec((16,)), 1, None, torch.Generator().manual_seed(0))
-        runner = StepRunner(_calibration_mlp(), config, batch, foreach=False)
+        torch.manual_seed(0)
+        batch = make_batch(normalize_input_spec(_CALIBRATION_INPUT), 1, None,
+                           torch.Generator().manual_seed(0))
+        runner = StepRunner(_calibration_model(), config, batch, foreach=False,
+                            generator=torch.Generator().manual_seed(0))
         _freeze_learning_rate(runner.optimizer)
         for _ in range(3):
             runner.train_step()
-        seconds = median_s("step()", step=runner.train_step)
+        seconds = timer.seconds(runner.train_step, _SHORT_RUNS)
     finally:
         torch.set_rng_state(rng)
-    return seconds / len(trace_op_costs(_calibration_mlp, (16,), 1, config))
+    ops = trace_op_costs(_calibration_model, _CALIBRATION_INPUT, 1, config)
+    (predicted,) = step_times(constant_costs(ops, 1), profile, [1])
+    return max(0.0, seconds - predicted.step_s) / len(ops)
+
+
+def fastest_profile(profiles: Sequence[RooflineProfile]) -> RooflineProfile:
+    """Profiles measured alike (e.g. in rounds between the steps they are compared with),
+    combined kernel by kernel into the fastest: the highest rate and bandwidth of every
+    curve point, the lowest latency, overhead and page-fault cost. Load from other
+    processes only ever slows a kernel down, so this is the least disturbed profile, as
+    :func:`batchfit.throughput.bench` keeps a batch's fastest round.
+
+    Example:
+        >>> a = gpu_roofline_profile("A100")
+        >>> fastest_profile([a, replace(a, launch_overhead_s=7e-6)]).launch_overhead_s
+        5e-06
+    """
+    if not profiles:
+        raise InvalidInputError("fastest_profile needs at least one profile")
+    first = profiles[0]
+
+    def curve(curves: Sequence[Curve]) -> Curve:
+        return tuple((x, max(c[i][1] for c in curves)) for i, (x, _) in enumerate(curves[0]))
+
+    def pick(name: str, best: Any) -> Any:
+        return best(getattr(p, name) for p in profiles)
+
+    numbers = {**{name: pick(name, max) for name in (
+        "matmul_flops_per_s", "conv_flops_per_s", "vector_flops_per_s",
+        "memory_bandwidth_bytes_per_s")},
+        **{name: pick(name, min) for name in ("launch_overhead_s", "page_fault_s_per_byte")}}
+    kinds = {kind: KindRates(curve([p.kinds[kind].flops_per_s for p in profiles]),
+                             curve([p.kinds[kind].bytes_per_s for p in profiles]),
+                             min(p.kinds[kind].latency_s for p in profiles))
+             for kind in first.kinds}
+    return replace(first, **numbers, kinds=kinds,
+                   bandwidth_curve=curve([p.bandwidth_curve for p in profiles]),
+                   source=f"fastest of {len(profiles)}: {first.source}")
 
 
 # -- tracing the ops ---------------------------------------------------------------------------
@@ -414,13 +958,19 @@ class GemmShape:
 
 @dataclass(frozen=True)
 class OpCost:
-    """One op of the step: its FLOPs, the bytes it moves and the GEMMs it runs."""
+    """One op of the step: its FLOPs, the bytes it moves, the GEMMs it runs and the bytes
+    of each output it allocates (in-place results and views allocate nothing)."""
 
     op: str
     flops: int
     bytes_moved: int
     gemms: tuple[GemmShape, ...] = ()
-    convolution: bool = False
+    allocated: tuple[int, ...] = ()
+    kind: OpKind | None = None  #: None: from the op's name (:func:`op_kind`)
+
+    def __post_init__(self) -> None:
+        if self.kind is None:
+            object.__setattr__(self, "kind", op_kind(self.op))
 
 
 def _op_sets() -> tuple[set, set, set]:
@@ -517,8 +1067,8 @@ class _CostRecorder:
         self.ops: list[OpCost] = []
         self.recording = True
         self._flops_seen = 0
-        self._free, matmuls, self._convs = _op_sets()
-        self._gemm_ops = matmuls | self._convs
+        self._free, matmuls, convs = _op_sets()
+        self._gemm_ops = matmuls | convs
         self.interceptor = ti.OpInterceptor(self._on_output, lambda func, exc: None)
 
     def _on_output(self, func: Any, args: tuple, out: Any) -> None:
@@ -531,11 +1081,39 @@ class _CostRecorder:
         outputs = list(ti.iter_tensors(out))
         if not outputs:
             return
-        moved = sum(_tensor_bytes(t) for t in ti.iter_tensors(args))
-        moved += sum(_tensor_bytes(t) for t in outputs)
+        inputs = list(ti.iter_tensors(args))
+        moved = sum(_tensor_bytes(t) for t in inputs) + sum(_tensor_bytes(t) for t in outputs)
         packet = func.overloadpacket
         gemms = _gemm_shapes(packet, args, out) if packet in self._gemm_ops else ()
-        self.ops.append(OpCost(str(func), int(flops), int(moved), gemms, packet in self._convs))
+        self.ops.append(OpCost(str(func), int(flops), int(moved), gemms,
+                               _allocated_bytes(inputs, outputs),
+                               op_kind(str(func), _strided(packet, args))))
+
+
+def _strided(packet: Any, args: tuple) -> bool:
+    """A convolution (forward or backward) with a stride above 1."""
+    import torch
+
+    aten = torch.ops.aten
+    position = {aten.convolution: 3, aten.convolution_backward: 4}.get(packet)
+    if position is None or len(args) <= position:
+        return False
+    return any(int(step) > 1 for step in args[position])
+
+
+def _allocated_bytes(inputs: list, outputs: list) -> tuple[int, ...]:
+    """Storage bytes of each output that is not the storage of an input (nor a repeat)."""
+    from batchfit import _torch_internals as ti
+
+    seen = {key[0] for key in map(ti.storage_key, inputs) if key is not None}
+    found = []
+    for tensor in outputs:
+        key = ti.storage_key(tensor)
+        if key is None or key[0] in seen:
+            continue
+        seen.add(key[0])
+        found.append(int(key[1].nbytes()))
+    return tuple(found)
 
 
 def trace_op_costs(model: Any, inputs: Any, batch_size: int, config: TrainConfig | None = None,
@@ -622,11 +1200,12 @@ def trace_op_costs(model: Any, inputs: Any, batch_size: int, config: TrainConfig
 class StepCosts:
     """Per-op costs as affine functions of the batch size: ``q(B) = q0 + q1 * B``.
 
-    Arrays (numpy): ``flops`` and ``bytes_moved`` of shape (ops, 2); ``kind`` per
-    op (0 other, 1 matmul, 2 convolution); ``gemm_op`` (gemms,) the op each GEMM
-    belongs to; ``gemm_dims`` (gemms, 4, 2): M, N, K, count, each affine.
-    ``batch_size`` is None when the costs hold at every batch, else the one batch
-    they were traced at.
+    Arrays (numpy): ``flops`` and ``bytes_moved`` of shape (ops, 2); ``kind`` per op
+    (an index into :data:`OP_KINDS`); ``gemm_op`` (gemms,) the op each GEMM belongs
+    to; ``gemm_dims`` (gemms, 4, 2): M, N, K, count, each affine; ``alloc_op``
+    (allocations,) the op each allocated output belongs to; ``alloc_bytes``
+    (allocations, 2) its bytes. ``batch_size`` is None when the costs hold at every
+    batch, else the one batch they were traced at.
     """
 
     ops: tuple[str, ...]
@@ -635,6 +1214,8 @@ class StepCosts:
     kind: Any
     gemm_op: Any
     gemm_dims: Any
+    alloc_op: Any
+    alloc_bytes: Any
     batch_size: int | None = None
 
     def at(self, batch_size: int) -> tuple[OpCost, ...]:
@@ -645,34 +1226,43 @@ class StepCosts:
         for op, dims in zip(self.gemm_op.tolist(), self.gemm_dims.tolist()):
             m, n, k, count = (int(a + b * batch_size) for a, b in dims)
             gemms.setdefault(op, []).append(GemmShape(m, n, k, count))
+        allocated: dict[int, list[int]] = {}
+        for op, (a, b) in zip(self.alloc_op.tolist(), self.alloc_bytes.tolist()):
+            allocated.setdefault(op, []).append(int(a + b * batch_size))
         return tuple(
             OpCost(name, int(f[0] + f[1] * batch_size), int(b[0] + b[1] * batch_size),
-                   tuple(gemms.get(i, ())), bool(kind == 2))
+                   tuple(gemms.get(i, ())), tuple(allocated.get(i, ())), OP_KINDS[kind])
             for i, (name, f, b, kind) in enumerate(
                 zip(self.ops, self.flops.tolist(), self.bytes_moved.tolist(), self.kind.tolist())))
 
 
-def _arrays(ops: Sequence[OpCost]) -> tuple[Any, Any, Any, Any, Any]:
+def _arrays(ops: Sequence[OpCost]) -> dict[str, Any]:
     import numpy as np
 
-    flops = np.array([op.flops for op in ops], dtype=np.int64)
-    moved = np.array([op.bytes_moved for op in ops], dtype=np.int64)
-    kind = np.array([2 if op.convolution else (1 if op.gemms else 0) for op in ops], dtype=np.int8)
-    gemm_op = np.array([i for i, op in enumerate(ops) for _ in op.gemms], dtype=np.int64)
-    dims = np.array([[g.m, g.n, g.k, g.count] for op in ops for g in op.gemms],
-                    dtype=np.int64).reshape(-1, 4)
-    return flops, moved, kind, gemm_op, dims
+    return {
+        "flops": np.array([op.flops for op in ops], dtype=np.int64),
+        "bytes_moved": np.array([op.bytes_moved for op in ops], dtype=np.int64),
+        "kind": np.array([OP_KINDS.index(op.kind) for op in ops], dtype=np.int8),
+        "gemm_op": np.array([i for i, op in enumerate(ops) for _ in op.gemms], dtype=np.int64),
+        "gemm_dims": np.array([[g.m, g.n, g.k, g.count] for op in ops for g in op.gemms],
+                              dtype=np.int64).reshape(-1, 4),
+        "alloc_op": np.array([i for i, op in enumerate(ops) for _ in op.allocated], dtype=np.int64),
+        "alloc_bytes": np.array([n for op in ops for n in op.allocated], dtype=np.int64),
+    }
+
+
+#: The per-op quantities that are affine in the batch size.
+_AFFINE = ("flops", "bytes_moved", "gemm_dims", "alloc_bytes")
 
 
 def constant_costs(ops: Sequence[OpCost], batch_size: int) -> StepCosts:
     """Costs traced at one batch size, valid at that batch only."""
     import numpy as np
 
-    flops, moved, kind, gemm_op, dims = _arrays(ops)
-    zero = np.zeros_like
-    return StepCosts(tuple(op.op for op in ops), np.stack([flops, zero(flops)], 1),
-                     np.stack([moved, zero(moved)], 1), kind, gemm_op,
-                     np.stack([dims, zero(dims)], 2), batch_size)
+    arrays = _arrays(ops)
+    for name in _AFFINE:
+        arrays[name] = np.stack([arrays[name], np.zeros_like(arrays[name])], -1)
+    return StepCosts(tuple(op.op for op in ops), batch_size=batch_size, **arrays)
 
 
 def fit_costs(traces: dict[int, Sequence[OpCost]]) -> StepCosts | None:
@@ -686,18 +1276,17 @@ def fit_costs(traces: dict[int, Sequence[OpCost]]) -> StepCosts | None:
     if not len(ops1) == len(ops2) == len(ops3):
         return None
     if any(len({a.op, b.op, c.op}) != 1 or len({len(a.gemms), len(b.gemms), len(c.gemms)}) != 1
+           or len({len(a.allocated), len(b.allocated), len(c.allocated)}) != 1
            for a, b, c in zip(ops1, ops2, ops3)):
         return None
     a1, a2, a3 = _arrays(ops1), _arrays(ops2), _arrays(ops3)
-    fitted = []
-    for q1, q2, q3 in ((a1[0], a2[0], a3[0]), (a1[1], a2[1], a3[1]), (a1[4], a2[4], a3[4])):
-        slope = q2 - q1  # integer: b2 - b1 = 1
-        intercept = q1 - slope * b1
-        if not np.array_equal(intercept + slope * b3, q3):
+    for name in _AFFINE:
+        slope = a2[name] - a1[name]  # integer: b2 - b1 = 1
+        intercept = a1[name] - slope * b1
+        if not np.array_equal(intercept + slope * b3, a3[name]):
             return None
-        fitted.append(np.stack([intercept, slope], -1))
-    flops, moved, dims = fitted
-    return StepCosts(tuple(op.op for op in ops1), flops, moved, a1[2], a1[3], dims)
+        a1[name] = np.stack([intercept, slope], -1)
+    return StepCosts(tuple(op.op for op in ops1), **a1)
 
 
 def step_costs(model: Any, inputs: Any, config: TrainConfig, device: Any,
@@ -709,7 +1298,11 @@ def step_costs(model: Any, inputs: Any, config: TrainConfig, device: Any,
 
 @dataclass(frozen=True)
 class StepTime:
-    """Predicted time of one step, and what it is made of (seconds summed over ops)."""
+    """Predicted time of one step, and what it is made of (seconds summed over ops).
+
+    ``overhead_s`` is the per-op framework overhead plus each kind's fixed latency;
+    ``page_fault_s`` the cost of faulting in fresh mappings (CPU).
+    """
 
     batch_size: int
     step_s: float
@@ -718,18 +1311,43 @@ class StepTime:
     overhead_s: float
     gemm_efficiency: float  #: useful / scheduled GEMM work (1.0 without quantization)
     ops: int
+    page_fault_s: float = 0.0
 
     @property
     def samples_per_s(self) -> float:
         return self.batch_size / self.step_s
 
 
-def _op_rates(costs: StepCosts, profile: RooflineProfile) -> Any:
+def _kind_rates(costs: StepCosts, profile: RooflineProfile, flops: Any,
+                moved: Any) -> tuple[Any, Any, Any]:
+    """FLOP/s and bytes/s per (op, batch), and latency per op, from each op's kind."""
     import numpy as np
 
-    rates = np.array([profile.vector_flops_per_s, profile.matmul_flops_per_s,
-                      profile.conv_flops_per_s])
-    return rates[costs.kind.astype(np.int64)]
+    kinds = costs.kind.astype(np.int64)
+    rate = np.empty(flops.shape)
+    bandwidth = np.empty(flops.shape)
+    latency = np.zeros(len(kinds))
+    intensity = flops / np.maximum(moved, 1)
+    for index in np.unique(kinds).tolist():
+        kind, rows = OP_KINDS[index], kinds == index
+        rate[rows] = profile.flops_rate_for(intensity[rows], kind)
+        bandwidth[rows] = profile.bandwidth_for(moved[rows], kind)
+        latency[rows] = profile.latency_for(kind)
+    return rate, bandwidth, latency
+
+
+def _page_faults(costs: StepCosts, profile: RooflineProfile, chunk: Any) -> Any:
+    """Seconds per (op, batch) spent faulting in outputs of at least the mmap threshold."""
+    import numpy as np
+
+    found = np.zeros((len(costs.ops), len(chunk)))
+    threshold = profile.mmap_threshold_bytes
+    if threshold is None or not profile.page_fault_s_per_byte or len(costs.alloc_op) == 0:
+        return found
+    sizes = costs.alloc_bytes[:, :1] + costs.alloc_bytes[:, 1:] * chunk[None, :]
+    np.add.at(found, costs.alloc_op, np.where(sizes >= threshold, sizes, 0)
+              * profile.page_fault_s_per_byte)
+    return found
 
 
 def step_times(costs: StepCosts, profile: RooflineProfile,
@@ -738,7 +1356,6 @@ def step_times(costs: StepCosts, profile: RooflineProfile,
     import numpy as np
 
     found: list[StepTime] = []
-    rates = _op_rates(costs, profile)[:, None]
     n_ops = len(costs.ops)
     for start in range(0, len(batch_sizes), 256):
         chunk = np.asarray(batch_sizes[start:start + 256], dtype=np.int64)
@@ -747,15 +1364,17 @@ def step_times(costs: StepCosts, profile: RooflineProfile,
         flops = costs.flops[:, :1] + costs.flops[:, 1:] * chunk[None, :]
         moved = costs.bytes_moved[:, :1] + costs.bytes_moved[:, 1:] * chunk[None, :]
         factor, efficiency = _quantization(costs, profile, chunk)
+        rates, bandwidth, latency = _kind_rates(costs, profile, flops, moved)
         compute = flops * factor / rates
-        memory = moved / profile.bandwidth_for(moved)
-        per_op = np.maximum(compute, memory)
+        memory = moved / bandwidth
+        faults = _page_faults(costs, profile, chunk)
+        per_op = np.maximum(compute, memory) + latency[:, None] + faults
         overhead = profile.launch_overhead_s
         per_op = np.maximum(per_op, overhead) if profile.async_launch else per_op + overhead
         for j, b in enumerate(chunk.tolist()):
             found.append(StepTime(b, float(per_op[:, j].sum()), float(compute[:, j].sum()),
-                                  float(memory[:, j].sum()), overhead * n_ops,
-                                  float(efficiency[j]), n_ops))
+                                  float(memory[:, j].sum()), overhead * n_ops + float(latency.sum()),
+                                  float(efficiency[j]), n_ops, float(faults[:, j].sum())))
     return found
 
 
@@ -800,6 +1419,7 @@ class PredictedPoint:
     memory_s: float
     overhead_s: float
     gemm_efficiency: float
+    page_fault_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -967,7 +1587,8 @@ def predict_throughput(model: Any, inputs: Any, config: TrainConfig | None = Non
         recommended, boundaries, scan = _scan_waves(costs, roofline, knee.knee_batch_size, maximum)
     peak = _peak_interpolator(limit)
     points = tuple(PredictedPoint(t.batch_size, t.step_s, t.samples_per_s, peak(t.batch_size),
-                                  t.compute_s, t.memory_s, t.overhead_s, t.gemm_efficiency)
+                                  t.compute_s, t.memory_s, t.overhead_s, t.gemm_efficiency,
+                                  t.page_fault_s)
                    for t in times)
     epoch = None
     if dataset_size is not None:

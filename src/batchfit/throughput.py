@@ -13,9 +13,13 @@ accelerator around each block. Only steady-state steps are timed.
 
 Noise. On a shared CPU, wall time includes whatever else runs. ``Clock.CPU``
 times the calling thread's CPU time (``time.thread_time``) with one intra-op
-thread, which other processes barely disturb: on this 2-core machine, under
+thread, which other processes disturb far less: on this 2-core machine, under
 load, a 1024x1024 matmul timed 25-50% IQR by wall clock and 1-2% by thread CPU
-time. It measures the step on one unloaded core, not the wall time you would
+time. They still slow it down through the caches and memory they share: the
+same step ran up to 2x slower here from one minute to the next, and a single
+measurement 15-45% slower than its neighbours. Hence interleaved rounds, the
+fastest of repeated measurements, and re-measuring the batches a knee rests on
+(below). ``Clock.CPU`` measures the step on one core, not the wall time you would
 see with every core; use it to compare batch sizes, not to promise a wall time.
 
 Which batches (``batches="auto"``). The largest batch that fits comes from
@@ -27,8 +31,15 @@ total fewest); if the best of them lies inside the range (throughput that falls
 past a peak, as a small CNN's did here past batch 96), it bisects around it for
 the peak; then it bisects (in grid steps) between the knee and the measured
 batch below it. At most ``max_points`` (8) batch sizes in all: 6 or 7 for a
-maximum of 256 to 1024 on a saturating curve (:func:`next_auto_batch`). On a curve without noise the knee it finds is the one a
-dense sweep of the whole grid finds.
+maximum of 256 to 1024 on a saturating curve (:func:`next_auto_batch`). On a
+curve without noise the knee it finds is the one a dense sweep of the whole grid
+finds. On a shared machine one measurement can be caught by a burst of load
+(15-45% slow, seen here): before the planner acts on a decision, the batches it
+rests on are measured again in interleaved rounds (``TimingConfig.confirm_runs``,
+3 measurements each, the fastest counting): the best and the batch above it
+before searching for a peak inside the range, and the knee, the batch below it
+and the best (:func:`deciding_batches`) at the end, after which the planner goes
+on if the knee moved.
 
 The knee. The smallest measured batch whose throughput is within ``tolerance``
 (5% by default) of the best measured throughput. The recommended batch is the
@@ -108,9 +119,17 @@ class TimingConfig:
         clock: :class:`Clock` (``wall`` or ``cpu``).
         rounds: interleaved rounds over an explicit batch list: each round times every
             batch once (with ``min_run_s``/``max_run_s`` split between rounds) and a
-            point's step time is the median over rounds, so a change of load part-way
-            through hits every batch alike instead of bending the curve.
+            point's step time is its fastest round, so a change of load part-way
+            through hits every batch alike instead of bending the curve (load from
+            other processes only ever slows a step down: the fastest round is the least
+            disturbed, as ``timeit``'s documentation advises for repeats).
         alignment_rounds: the same for the alignment candidates.
+        confirm_runs: with ``batches="auto"``, the batches the knee rests on (the knee,
+            the measured batch below it and the best; :func:`deciding_batches`) are
+            measured this many times in all, the repeats in interleaved rounds (each with
+            ``1 / confirm_runs`` of the run time and one warm-up step), and count by
+            their fastest: one measurement caught by a burst of load elsewhere on the
+            machine cannot move the knee. 1 turns this off.
     """
 
     warmup_steps: int = 2
@@ -120,6 +139,7 @@ class TimingConfig:
     clock: Clock | str = Clock.WALL
     rounds: int = 1
     alignment_rounds: int = 3
+    confirm_runs: int = 3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "clock", parse_enum(Clock, self.clock, "clock"))
@@ -130,7 +150,7 @@ class TimingConfig:
                 f"need 0 < min_run_s <= max_run_s, not {self.min_run_s} and {self.max_run_s}")
         if not 0 < self.target_spread < 1:
             raise InvalidInputError(f"target_spread {self.target_spread} must be in (0, 1), e.g. 0.05")
-        for name in ("rounds", "alignment_rounds"):
+        for name in ("rounds", "alignment_rounds", "confirm_runs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidInputError(f"{name} must be a positive integer, not {value!r}")
@@ -143,7 +163,7 @@ class TimingConfig:
         return {"warmup_steps": self.warmup_steps, "min_run_s": self.min_run_s,
                 "max_run_s": self.max_run_s, "target_spread": self.target_spread,
                 "clock": self.clock.value, "rounds": self.rounds,
-                "alignment_rounds": self.alignment_rounds}
+                "alignment_rounds": self.alignment_rounds, "confirm_runs": self.confirm_runs}
 
 
 # -- results -----------------------------------------------------------------------------
@@ -157,7 +177,8 @@ class ThroughputPoint:
         batch_size: the batch size.
         fits: False when the step ran out of memory (``error`` says how) or was
             predicted not to fit (then it was never run).
-        step_s: median seconds per steady-state step (None unless it ran).
+        step_s: median seconds per steady-state step (None unless it ran); of the
+            fastest measurement when the batch was measured more than once.
         step_iqr_s: interquartile range of the step time.
         samples_per_s: ``batch_size / step_s``.
         peak_bytes: predicted device bytes of the step (from a trace).
@@ -799,27 +820,103 @@ def _check_dataset_size(dataset_size: int | None) -> None:
 
 
 def _run_auto(sweep: _Sweep, maximum: int, tolerance: float, max_points: int) -> list[ThroughputPoint]:
-    points: list[ThroughputPoint] = []
+    """The planner (:func:`next_auto_batch`) over measured batches, each counted by its
+    fastest measurement. The batches a decision rests on are measured again
+    (``TimingConfig.confirm_runs``) before it is acted on: the best and the batch above it
+    before searching for a peak inside the range, and all of :func:`deciding_batches` when
+    the planner is done; it goes on if the knee moved."""
+    runs: dict[int, list[ThroughputPoint]] = {}
+    failed: dict[int, ThroughputPoint] = {}
+    confirmed: set[int] = set()
     ceiling = maximum
-    while len(points) < max_points:
-        fitting = {p.batch_size: p.samples_per_s for p in points
-                   if p.fits and p.batch_size <= ceiling}
-        batch = next_auto_batch(fitting, ceiling, tolerance=tolerance, max_points=max_points)
-        if batch is None or any(p.batch_size == batch for p in points):
-            break
-        point = sweep.measure(batch)
-        points.append(point)
-        if not point.fits:  # nothing at or above a batch that failed is tried again
+    while True:
+        rates = {b: _merge_runs(b, done).samples_per_s for b, done in runs.items() if b <= ceiling}
+        peak = [b for b in _peak_batches(rates) if b not in confirmed]
+        if peak:  # throughput seems to fall past the best: check before searching there
+            _confirm(sweep, peak, runs)
+            confirmed.update(peak)
+            continue
+        batch = None
+        if len(runs) + len(failed) < max_points:
+            batch = next_auto_batch(rates, ceiling, tolerance=tolerance, max_points=max_points)
+        if batch is not None and batch not in runs and batch not in failed:
+            point = sweep.measure(batch)
+            if point.fits:
+                runs[batch] = [point]
+                continue
+            failed[batch] = point  # nothing at or above a batch that failed is tried again
             if batch == 1:
                 break
             ceiling = min(ceiling, batch - 1)
-    return points
+            continue
+        pending = [b for b in deciding_batches(rates, tolerance) if b not in confirmed] if rates else []
+        if not pending:
+            break
+        _confirm(sweep, pending, runs)
+        confirmed.update(pending)
+    return [_merge_runs(b, done) for b, done in runs.items()] + list(failed.values())
+
+
+def _peak_batches(samples_per_s: Mapping[int, float]) -> tuple[int, ...]:
+    """The best batch and the measured batch above it, if the best is not the largest."""
+    if not samples_per_s:
+        return ()
+    best = max(samples_per_s, key=lambda b: (samples_per_s[b], -b))
+    above = [b for b in samples_per_s if b > best]
+    return (best, min(above)) if above else ()
+
+
+def deciding_batches(samples_per_s: Mapping[int, float],
+                     tolerance: float = DEFAULT_TOLERANCE) -> tuple[int, ...]:
+    """The batches a knee rests on: the knee, the largest measured batch below it, the best
+    and, if throughput falls past the best, the measured batch above it.
+
+    Example:
+        >>> deciding_batches({8: 50.0, 16: 80.0, 32: 97.0, 64: 100.0})  # knee 32 (>= 95)
+        (16, 32, 64)
+        >>> deciding_batches({8: 50.0, 16: 80.0, 32: 100.0, 64: 70.0})  # a peak at 32
+        (16, 32, 64)
+    """
+    knee = find_knee(list(samples_per_s), list(samples_per_s.values()), tolerance)
+    below = [b for b in samples_per_s if b < knee.knee_batch_size]
+    found = {knee.knee_batch_size, knee.best_batch_size, *_peak_batches(samples_per_s)}
+    if below:
+        found.add(max(below))
+    return tuple(sorted(found))
+
+
+def _confirm(sweep: _Sweep, batches: Sequence[int], runs: dict[int, list[ThroughputPoint]]) -> None:
+    """Measure ``batches`` again, in interleaved rounds, up to ``confirm_runs`` measurements
+    each (a batch that fails now keeps the measurements it has)."""
+    timing = sweep.timing
+    wanted = timing.confirm_runs
+    sweep.timing = replace(timing.per_round(wanted), warmup_steps=1)  # the shape ran before
+    try:
+        todo = [b for b in batches if len(runs[b]) < wanted]
+        while todo:
+            for b in todo:
+                point = sweep.measure(b)
+                if point.fits:
+                    runs[b].append(point)
+                else:
+                    batches = [x for x in batches if x != b]
+            todo = [b for b in todo if b in batches and len(runs[b]) < wanted]
+    finally:
+        sweep.timing = timing
+
+
+def _merge_runs(batch_size: int, runs: Sequence[ThroughputPoint]) -> ThroughputPoint:
+    """One point from several measurements of a batch that fit: the fastest (see
+    ``TimingConfig.rounds``), with the steps and seconds of them all."""
+    if len(runs) == 1:
+        return runs[0]
+    fastest = min(runs, key=lambda p: p.step_s)
+    return replace(fastest, repeats=sum(p.repeats for p in runs), steps=sum(p.steps for p in runs),
+                   seconds=sum(p.seconds for p in runs))
 
 
 def _measure_rounds(sweep: _Sweep, batches: Sequence[int], rounds: int) -> list[ThroughputPoint]:
-    """Each batch once per round, in interleaved rounds; the median over rounds per batch."""
-    import statistics
-
+    """Each batch once per round, in interleaved rounds; each batch's fastest round counts."""
     timing = sweep.timing
     runs: dict[int, list[ThroughputPoint]] = {b: [] for b in batches}
     failed: dict[int, ThroughputPoint] = {}
@@ -836,18 +933,7 @@ def _measure_rounds(sweep: _Sweep, batches: Sequence[int], rounds: int) -> list[
                     failed[b] = point
     finally:
         sweep.timing = timing
-    points = []
-    for b in batches:
-        if b in failed:
-            points.append(failed[b])
-            continue
-        done = runs[b]
-        step_s = statistics.median(p.step_s for p in done)
-        points.append(ThroughputPoint(
-            b, True, step_s, statistics.median(p.step_iqr_s for p in done), b / step_s,
-            done[0].peak_bytes, done[0].measured_peak_bytes, sum(p.repeats for p in done),
-            sum(p.steps for p in done), seconds=sum(p.seconds for p in done)))
-    return points
+    return [failed[b] if b in failed else _merge_runs(b, runs[b]) for b in batches]
 
 
 def _run_alignment(sweep: _Sweep, base: int, ceiling: int) -> AlignmentResult:
