@@ -365,3 +365,24 @@ def test_live_gpu_on_a_real_device():
     gpu = live_gpu(0)
     assert gpu.memory_bytes == torch.cuda.get_device_properties(0).total_memory
     assert math.isfinite(gpu.memory_bandwidth_bytes_per_s)
+
+
+def test_memory_used_by_others_is_none_without_nvml(monkeypatch):
+    import sys
+
+    from batchfit.catalog import memory_used_by_others
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    assert memory_used_by_others(object()) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_live_memory_leaves_out_what_other_processes_hold():
+    import torch
+
+    from batchfit.catalog import memory_used_by_others
+
+    props = torch.cuda.get_device_properties(0)
+    others = memory_used_by_others(props) or 0
+    assert live_gpu(0).memory_bytes == props.total_memory - others

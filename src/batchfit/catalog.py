@@ -52,6 +52,7 @@ import csv
 import difflib
 import functools
 import io
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -175,7 +176,9 @@ def find_gpu(name: str) -> GPU:
 def live_gpu(index: int = 0) -> GPU:
     """Describe CUDA device ``cuda:{index}`` as it is on this machine.
 
-    Memory, SM count and compute capability come from the device. Peak rates
+    Memory, SM count and compute capability come from the device; with
+    nvidia-ml-py installed, memory other processes hold on it (NVML) is taken off
+    ``memory_bytes`` and named in ``source``. Peak rates
     and bandwidth come from the catalog card the device name resolves to; if
     the name is unknown, from the card with the same compute capability (or gfx
     arch) and SM count. A partition (MIG slice, AMD CPX) gets the card's rates
@@ -219,11 +222,40 @@ def live_gpu(index: int = 0) -> GPU:
         peak_flops = MappingProxyType({k: v * sm_share for k, v in card.peak_flops.items()})
         bandwidth = card.memory_bandwidth_bytes_per_s * memory_share
         source += f"; peak rates of catalog card {card.key!r} ({card.source})"
+    others = memory_used_by_others(props)
+    if others:
+        memory_bytes -= others
+        source += f"; less {others} B other processes hold (NVML)"
     return GPU(
         name=props.name, key=f"cuda:{index}", vendor="amd" if is_rocm else "nvidia",
         memory_bytes=memory_bytes, sm_count=sm_count, compute_capability=cc, arch=arch,
         peak_flops=peak_flops, memory_bandwidth_bytes_per_s=bandwidth, aliases=(),
         source=source)
+
+
+def memory_used_by_others(props: Any) -> int | None:
+    """Bytes other processes hold on the device ``props`` describes, from NVML
+    (nvidia-ml-py), or None when NVML is not installed or cannot tell. The device is
+    found by PCI bus id, so ``CUDA_VISIBLE_DEVICES`` renumbering does not matter."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no driver library: nothing to subtract
+        return None
+    try:
+        bus_id = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+        processes = (list(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+                     + list(pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle)))
+        own = os.getpid()
+        return sum(p.usedGpuMemory or 0 for p in processes if p.pid != own)
+    except Exception:  # noqa: BLE001 - NVML errors, or torch too old for PCI ids
+        return None
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def _parse_row(row: Mapping[str, str]) -> GPU:
