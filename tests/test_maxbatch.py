@@ -156,9 +156,12 @@ def test_parallel_traces_fall_back_when_the_child_fails(monkeypatch):
 
 
 def test_parallel_and_sequential_traces_give_the_same_answer(monkeypatch):
+    from batchfit import maxbatch
+
     t4 = DeviceProfile.cuda(1 << 30, (7, 5), name="small T4")
+    monkeypatch.setattr(maxbatch, "_can_fork", lambda: True)  # fork even on a busy machine
     parallel = max_batch_size(cnn, (3, 64, 64), device=t4)
-    monkeypatch.setenv("BATCHFIT_PARALLEL_TRACES", "0")
+    monkeypatch.setattr(maxbatch, "_can_fork", lambda: False)
     sequential = max_batch_size(cnn, (3, 64, 64), device=t4)
     assert parallel.max_batch_size == sequential.max_batch_size
     assert parallel.evaluated == sequential.evaluated
