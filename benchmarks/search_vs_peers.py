@@ -5,10 +5,15 @@ Same device for everyone (see ``max_vs_true_cpu.py``): AdamW, 2 steps per trial,
 method's process built the model and ran one warm-up step at batch 1, then
 ``RLIMIT_DATA`` = VmData + cap; glibc's mmap threshold pinned, ``OMP_NUM_THREADS=1``.
 
-* batchfit: ``search_max_batch(..., device="cpu", memory_cap_bytes=cap)`` called from this
-  process; it starts its own zygote, traces the prediction and forks a fresh capped child
-  per trial. Wall time is the whole call ("cold"). A second, "warm" run reuses a running
-  :class:`~batchfit.probe.TrialServer` (what a sweep over configs pays per search).
+* batchfit: ``search_max_batch(..., device="cpu", memory_cap_bytes=cap)``: it traces the
+  prediction, forks a template from its zygote (a fresh interpreter that imported torch
+  and the model's library) that builds the model and warms up, and forks one capped
+  child per trial from the template. Three starting points, each timed from the call:
+  **cold**, in a fresh process (its zygote's start, the template's build and the
+  prediction's first traces included); **warm**, with a running zygote (what a sweep
+  over configs pays per search: the template and the prediction); **hot**, the same
+  search again on that server, the template kept: the peers' starting point (torch
+  imported, model built and warmed up, ``torch._dynamo`` imported by the optimizer).
 * Lightning: ``Tuner(trainer).scale_batch_size(module, mode=..., steps_per_trial=2,
   init_val=2)`` in one capped process (its defaults otherwise: binsearch keeps a 5% margin).
 * accelerate: ``find_executable_batch_size(starting_batch_size=128)`` (its default) around
@@ -17,16 +22,20 @@ method's process built the model and ran one warm-up step at batch 1, then
 Peers' wall time is the finder call only (their imports, model build and warm-up are not
 counted). Lightning's trials are read from its ``train_dataloader()`` calls, one per
 trial, plus the one or two resets after the search (restoring the found size), which
-are listed (and counted) too. The true maximum comes from ``benchmarks/results/max_vs_true_cpu.json`` (fresh
-processes, one per batch size) when it is there for the same model and cap, else it is
-recomputed. Writes ``benchmarks/results/search_vs_peers.{md,json}``.
+are listed (and counted) too. The true maximum comes from
+``benchmarks/results/max_vs_true_cpu.json`` (fresh processes, one per batch size) when it
+is there for the same model and cap, else it is recomputed. Every method runs
+``--repeats`` times (timings on this shared 2-core machine vary by 2x; the tables show
+medians). Writes ``benchmarks/results/search_vs_peers.{md,json}``.
 
-Run: ``python benchmarks/search_vs_peers.py [--models cnn,resnet18,gpt2-tiny]``; ~12 min here.
+Run: ``python benchmarks/search_vs_peers.py [--models cnn,resnet18,gpt2-tiny]
+[--repeats 3]``; ~25 min here with 3 repeats.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -183,19 +192,38 @@ def run_peer(method: str, name: str, cap: int) -> dict:
 
 
 def run_batchfit(name: str, cap: int, server=None) -> dict:
+    """One search; ``setup_s``: from the call to the first trial's steps (the prediction
+    and, cold or warm, the wait for the zygote and the template), ``trial_step_s``: the
+    steps of every trial, ``trial_other_s``: the rest (forks, messages)."""
     from batchfit.search import search_max_batch
 
     spec = device.resolve(name)
+    done_at: list[float] = []
     start = time.perf_counter()
     result = search_max_batch(spec, None, device="cpu", memory_cap_bytes=cap,
                               steps_per_trial=device.STEPS, optimizer=device.OPTIMIZER,
-                              trial_server=server)
+                              trial_server=server,
+                              on_trial=lambda trial: done_at.append(time.perf_counter()))
     wall = time.perf_counter() - start
+    steps = [t.seconds for t in result.trials]
+    setup = done_at[0] - start - steps[0]
     return {"answer": result.max_batch_size, "wall_s": wall,
             "trials": [{"batch_size": t.batch_size, "fits": t.fits} for t in result.trials],
             "predicted": result.predicted_max_batch_size,
             "recommended": result.recommended_batch_size,
-            "trial_step_s": sum(t.seconds for t in result.trials), "error": None}
+            "setup_s": setup, "trial_step_s": sum(steps),
+            "trial_other_s": wall - setup - sum(steps), "error": None}
+
+
+def run_batchfit_cold(name: str, cap: int) -> dict:
+    """A search in a fresh process: only the call is timed (its own zygote, template and
+    prediction included; this process's ``import torch`` is not, as for the peers)."""
+    payload = json.dumps({"method": "batchfit-cold", "model": name, "cap": cap})
+    done = subprocess.run([sys.executable, __file__, "--peer", payload], cwd=device.ROOT,
+                          env=device.device_env(), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"cold batchfit run failed for {name}:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------- the table
@@ -225,80 +253,130 @@ def largest_fit(trials: list[dict]) -> int | None:
     return max((t["batch_size"] for t in trials if t["fits"]), default=None)
 
 
-def markdown(rows: list[dict], summary: dict) -> str:
+def median_wall(runs: list[dict]) -> float | None:
+    """Median wall time of the runs that searched (a finder that crashed after some trials
+    spent that time too; one that crashed before its first trial did not search)."""
+    walls = [r["wall_s"] for r in runs if r.get("wall_s") is not None and r["trials"]]
+    return statistics.median(walls) if walls else None
+
+
+def _cell(runs: list[dict], key: str, digits: int = 1) -> str:
+    values = [r[key] for r in runs if r.get(key) is not None and r["trials"]]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return (f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-"
+            f"{max(values):.{digits}f})")
+
+
+def markdown(rows: list[dict], summary: dict, repeats: int) -> str:
     lines = ["# batchfit search vs Lightning and accelerate on a capped CPU", "",
-             f"AdamW, {device.STEPS} steps per trial, `RLIMIT_DATA` cap after a warm-up at "
-             "batch 1, `MALLOC_MMAP_THRESHOLD_=131072`, `OMP_NUM_THREADS=1`. Peers: finder "
-             "call only; batchfit cold: the whole call (its zygote start-up and the "
-             "prediction's traces included); warm: with a running trial server.", "",
-             "| model | cap MiB | true max (flaky) | method | trials | wall s | answer | "
-             "largest fit seen | correct |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             (f"AdamW, {device.STEPS} steps per trial, `RLIMIT_DATA` cap after a warm-up at "
+             "batch 1, `MALLOC_MMAP_THRESHOLD_=131072`, `OMP_NUM_THREADS=1`, 2 shared cores. "
+             f"{repeats} runs of each method; wall time: median (min-max) of the runs. "
+             "Peers: the finder call only (their process had imported torch, built the "
+             "model, warmed up). batchfit, timed from the call: **cold**: a fresh process "
+             "(its zygote's start, the template's build and the prediction's traces "
+             "included); **warm**: a running zygote (the template, i.e. the model's build, "
+             "warm-up and `torch._dynamo` import in a fresh process, and the prediction "
+             "included); **hot**: the same search again on that server (the template "
+             "kept): the peers' starting point. setup: from the call to the first trial's "
+             "steps; steps: the trials' steps."), "",
+             ("| model | cap MiB | true max (flaky) | method | trials | wall s | setup s | "
+             "steps s | answers | correct |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        for method, run in row["methods"].items():
-            wall = f"{run['wall_s']:.1f}" if run.get("wall_s") is not None else "-"
-            answer = run["answer"] if run.get("error") is None else f"error: {run['error']}"
+        for method, runs in row["methods"].items():
+            answers = [r["answer"] if r.get("error") is None else f"error: {r['error']}"
+                       for r in runs]
+            shown = ", ".join(map(str, dict.fromkeys(answers)))
+            correct = sum(verdict(r["answer"], row["true_max"], row["flaky"]) == "yes"
+                          for r in runs)
+            trials = statistics.median(len(r["trials"]) for r in runs)
             flaky = f" ({', '.join(map(str, row['flaky']))})" if row["flaky"] else ""
             lines.append(
                 f"| {row['model']} | {row['cap_bytes'] / device.MIB:.0f} | "
-                f"{row['true_max']}{flaky} | {method} | {len(run['trials'])} | {wall} | "
-                f"{answer} | {largest_fit(run['trials'])} | "
-                f"{verdict(run['answer'], row['true_max'], row['flaky'])} |")
+                f"{row['true_max']}{flaky} | {method} | {trials:g} | "
+                f"{_cell(runs, 'wall_s')} | {_cell(runs, 'setup_s')} | "
+                f"{_cell(runs, 'trial_step_s')} | {shown} | {correct}/{len(runs)} |")
     lines += ["", "Summary:", ""]
     lines += [f"- {key}: {value}" for key, value in summary.items()]
     return "\n".join(lines) + "\n"
 
 
+def summarize(rows: list[dict]) -> dict:
+    scenarios = ("cold", "warm", "hot")
+    ours = {s: [r["methods"][f"batchfit ({s})"] for r in rows] for s in scenarios}
+    binsearch = [median_wall(r["methods"]["lightning-binsearch"]) for r in rows]
+    every = [run for s in scenarios for runs in ours[s] for run in runs]
+    summary = {
+        "batchfit exact every time": all(
+            run["answer"] == row["true_max"]
+            for s in scenarios for row, runs in zip(rows, ours[s]) for run in runs),
+        "batchfit runs off the true max (answer: count)": {
+            row["model"]: dict(collections.Counter(
+                run["answer"] for s in scenarios for run in row["methods"][f"batchfit ({s})"]
+                if run["answer"] != row["true_max"]))
+            for row in rows},
+        "batchfit mean trials": round(statistics.mean(len(r["trials"]) for r in every), 2),
+    }
+    for s in scenarios:
+        summary[f"batchfit {s} wall / Lightning binsearch wall (medians)"] = {
+            row["model"]: (round(median_wall(runs) / b, 2) if b else
+                           "n/a (Lightning binsearch crashed before its first trial)")
+            for row, runs, b in zip(rows, ours[s], binsearch)}
+    summary["peers exact (runs)"] = {
+        m: sum(run["answer"] == r["true_max"] for r in rows for run in r["methods"][m])
+        for m in PEERS}
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(device.MODELS))
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peer:
-        print(json.dumps(run_peer_child(json.loads(args.peer))))
+        request = json.loads(args.peer)
+        if request["method"] == "batchfit-cold":
+            print(json.dumps(run_batchfit(request["model"], request["cap"])))
+        else:
+            print(json.dumps(run_peer_child(request)))
         return
     os.chdir(device.ROOT)
     os.environ.update(device.DEVICE_ENV)  # batchfit's own zygote inherits the device setup
+    import torch._dynamo  # noqa: F401 - as in a process that has built an optimizer
+
     rows = []
     for name in [n.strip() for n in args.models.split(",") if n.strip()]:
         cap = device.MODELS[name]["cap"]
         print(f"== {name}: cap {cap / device.MIB:.0f} MiB", flush=True)
         truth, flaky = truth_for(name, cap)
-        methods = {"batchfit (cold)": run_batchfit(name, cap)}
-        print(f"  batchfit cold: {methods['batchfit (cold)']}", flush=True)
-        with device.trial_server(name) as server:
-            server.wait_ready()
-            methods["batchfit (warm)"] = run_batchfit(name, cap, server)
-        print(f"  batchfit warm: {methods['batchfit (warm)']}", flush=True)
-        for method in PEERS:
-            methods[method] = run_peer(method, name, cap)
-            print(f"  {method}: {methods[method]}", flush=True)
+        methods: dict[str, list[dict]] = {f"batchfit ({s})": [] for s in ("cold", "warm", "hot")}
+        methods.update({m: [] for m in PEERS})
+        for repeat in range(args.repeats):
+            methods["batchfit (cold)"].append(run_batchfit_cold(name, cap))
+            with device.trial_server(name) as server:
+                server.wait_ready()
+                methods["batchfit (warm)"].append(run_batchfit(name, cap, server))
+                methods["batchfit (hot)"].append(run_batchfit(name, cap, server))
+            for method in PEERS:
+                methods[method].append(run_peer(method, name, cap))
+            for method, runs in methods.items():
+                run = runs[-1]
+                print(f"  [{repeat + 1}/{args.repeats}] {method}: answer {run['answer']}, "
+                      f"{len(run['trials'])} trials, {run['wall_s']} s"
+                      + (f", error {run['error']}" if run.get("error") else ""), flush=True)
         rows.append({"model": name, "cap_bytes": cap, "true_max": truth, "flaky": flaky,
                      "methods": methods})
-    cold = [r["methods"]["batchfit (cold)"] for r in rows]
-    warm = [r["methods"]["batchfit (warm)"] for r in rows]
-    binsearch = [r["methods"]["lightning-binsearch"] for r in rows]
-    summary = {
-        "batchfit exact every time": all(c["answer"] == r["true_max"] and
-                                         w["answer"] == r["true_max"]
-                                         for c, w, r in zip(cold, warm, rows)),
-        "batchfit mean trials": round(statistics.mean(len(c["trials"]) for c in cold + warm), 2),
-        "batchfit cold wall / Lightning binsearch wall": [
-            round(c["wall_s"] / b["wall_s"], 2) if b.get("wall_s") else None
-            for c, b in zip(cold, binsearch)],
-        "batchfit warm wall / Lightning binsearch wall": [
-            round(w["wall_s"] / b["wall_s"], 2) if b.get("wall_s") else None
-            for w, b in zip(warm, binsearch)],
-        "batchfit answers on a flaky batch": sum(
-            verdict(run["answer"], r["true_max"], r["flaky"]) == "flaky batch"
-            for r in rows for m, run in r["methods"].items() if m.startswith("batchfit")),
-        "peers exact": {m: sum(r["methods"][m]["answer"] == r["true_max"] for r in rows)
-                        for m in PEERS},
-    }
+    summary = summarize(rows)
     device.RESULTS.mkdir(parents=True, exist_ok=True)
     (device.RESULTS / "search_vs_peers.json").write_text(
-        json.dumps({"rows": rows, "summary": summary}, indent=2) + "\n")
-    text = markdown(rows, summary)
+        json.dumps({"repeats": args.repeats, "rows": rows, "summary": summary}, indent=2)
+        + "\n")
+    text = markdown(rows, summary, args.repeats)
     (device.RESULTS / "search_vs_peers.md").write_text(text)
     print(text)
 

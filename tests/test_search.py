@@ -98,6 +98,22 @@ def test_good_prediction_costs_one_failure_and_at_most_four_trials(device, slope
     assert len(log.outcomes) <= 4
 
 
+@settings(max_examples=300, deadline=None)
+@given(devices(factor=st.floats(0.5, 2.0)), st.data())
+def test_a_seed_on_the_predicted_line_costs_three_trials(device, data):
+    # The CPU's prediction is a line traced from batch 16 on, exact in its slope: a first
+    # trial anywhere below the boundary measures the rest (the intercept), the model
+    # lands on T, and T + 1 confirms it. Only the seed's position may vary.
+    true_max, intercept, per_sample, limit, predicted = device
+    seed = data.draw(st.integers(1, true_max))
+    plan = SearchPlan(predicted=max(predicted, seed), limit_bytes=limit,
+                      bytes_per_sample=per_sample, seed=seed)
+    log = search_boundary(affine_device(intercept, per_sample, limit), plan)
+    assert log.lower == true_max
+    tried = [o.batch_size for o in log.outcomes]
+    assert tried == ([seed] if seed < true_max else []) + [true_max, true_max + 1]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 100_000), st.floats(0.25, 4.0))
 def test_without_measurements_the_bracket_search_is_logarithmic(true_max, factor):
@@ -245,6 +261,28 @@ def test_search_from_the_analytic_prediction_leaves_the_user_state_untouched(ser
     # The trace predicts 12 MiB per sample and the budget is the state plus the cap: 8.
     assert result.predicted_max_batch_size == TRUE_MAX
     assert len(result.trials) <= 3
+
+
+class WideBroadcast(Broadcast):
+    """Broadcast with 2**18 values per sample: 1 MiB per tensor, 3 MiB per sample at the
+    peak (the same three tensors as Broadcast's 12 MiB, a quarter the size)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.scale * x.unsqueeze(-1).expand(-1, 1, 2**18).contiguous()
+
+
+def test_a_large_answer_starts_on_the_predicted_line_and_takes_three_trials(server):
+    # 122 MiB cap, 3 MiB per sample: 40 samples (120 MiB) fit with 2 MiB for what is not
+    # a tensor; 41 (123 MiB) cannot. The prediction's line (traced at 16 and 32) puts the
+    # answer above 32, so the search starts at 16, on the line, and needs 16, 40, 41.
+    result = search_max_batch(WideBroadcast, (1,), device="cpu", memory_cap_bytes=122 * MIB,
+                              optimizer="sgd", trial_server=server)
+    at_max = next(t for t in result.trials if t.batch_size == 40)
+    assert at_max.used_bytes - (at_max.peak_bytes - at_max.baseline_bytes) < 2 * MIB
+    assert result.max_batch_size == 40
+    assert [(t.batch_size, t.fits) for t in result.trials] == [(16, True), (40, True),
+                                                               (41, False)]
 
 
 def test_nothing_fits_raises_does_not_fit(server):

@@ -64,3 +64,9 @@ class DoesNotFitError(BatchfitError):
         super().__init__(message)
         self.needed_bytes = needed_bytes
         self.available_bytes = available_bytes
+
+
+class TrialError(BatchfitError, RuntimeError):
+    """A real trial could not run for a reason other than memory: its process died before
+    the memory cap was set, it timed out or could not be started, or (distributed) another
+    rank's trial raised."""

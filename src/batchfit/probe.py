@@ -26,19 +26,22 @@ and the guard pages of new threads, none of which is memory the step uses.
 ``RLIMIT_RSS`` is ignored by Linux.
 
 Fresh processes come from a :class:`TrialServer`: a zygote interpreter started with
-``python -c`` that imports torch and the model's own library once, then forks one child
-per trial, which builds the model, warms up and waits for its batch size (one child is
-kept prepared ahead, so that work overlaps the caller's prediction or the previous
-trial). A child's memory history is that of a fresh process that imported the same
-libraries and did the same work: measured at a boundary with 144 KiB to spare, the
-child and an independent ``python -c`` process needed the same data segment to the
-byte. What breaks that equivalence is importing more in the zygote: ``torch._dynamo``
-(a fresh process imports it when it builds its first optimizer, after the model) or
-libraries the model does not use each cost one batch there. A fresh interpreter costs
-7-10 s on this machine (``import torch``, then ``torch._dynamo``); a child about
-0.3 s plus its model's set-up. The zygote never runs a torch op with more than one
-thread (GNU OpenMP does not survive a fork after a parallel region: the child hangs),
-and each child restores the caller's thread count before building the model.
+``python -c`` that imports torch and the model's own library once. Per request (model,
+input spec, config, cap) it forks a *template*, which builds the model and the
+optimizer, warms up and waits (while the caller computes its prediction); each trial is
+a child forked from the template, so it starts from exactly the memory a fresh process
+that imported the same libraries and did the same work holds: measured at a boundary
+with 144 KiB to spare, the trials and an independent ``python -c`` process needed the
+same data segment to the byte. What breaks that equivalence is importing more in the
+zygote: ``torch._dynamo`` (a fresh process imports it when it builds its first
+optimizer, after the model) or libraries the model does not use each cost one batch
+there. A fresh interpreter costs 7-10 s on this machine (``import torch``, then
+``torch._dynamo``); the template pays the model's build, warm-up and ``torch._dynamo``
+once per request, and a trial costs a fork (milliseconds) and its steps. The zygote and
+the template never run a torch op with more than one thread (GNU OpenMP does not
+survive a fork after a parallel region: the child hangs), so templates serve trials on
+one thread (``OMP_NUM_THREADS=1`` or ``torch.set_num_threads(1)`` in the caller); on
+more threads each trial child builds and warms up itself, one prepared ahead.
 
 Measurement (``Trial.peak_bytes``, ``Trial.used_bytes``):
 
@@ -80,20 +83,15 @@ import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Self
 
 import torch
 from torch import nn
 
 from batchfit import _torch_internals as ti
-from batchfit.errors import BatchfitError, InvalidInputError, ModelSpecError
+from batchfit.errors import InvalidInputError, ModelSpecError, TrialError
 from batchfit.spec import InputSpec, Mode, TrainConfig, make_config
 from batchfit.step import StepRunner, make_batch, normalize_input_spec, torch_dtype
-
-
-class TrialError(BatchfitError, RuntimeError):
-    """A trial could not run for a reason other than memory (the child process died
-    before the cap was set, timed out, or could not be started)."""
 
 
 @dataclass(frozen=True)
@@ -478,7 +476,7 @@ class _UsageTracker:
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 
-    def __enter__(self) -> _UsageTracker:
+    def __enter__(self) -> Self:
         self._interceptor.__enter__()
         return self
 
@@ -877,23 +875,38 @@ def _unframe(stream: BinaryIO) -> bytes:
 
 
 class TrialServer:
-    """A zygote process that forks one fresh child per capped trial.
+    """A zygote process that forks one fresh, warmed-up process per capped trial.
 
     Start it once per search: it pays for ``import torch`` (and the model's libraries,
-    ``preload``) once. Each trial then runs in a child forked from it, which builds the
-    model, runs the warm-up step and waits for its batch size: the same memory history
-    as a fresh process that imported those libraries and did that work. (The zygote
-    imports nothing else: a fresh process imports ``torch._dynamo`` when it builds its
-    first optimizer, after the model; importing it earlier moves the heap's free space
-    and, measured, changed the largest batch by one.) With ``prepare_next`` one child is
-    always prepared ahead: the first while the caller computes its prediction, the next
-    while a trial runs. It holds a second copy of the model's state while it waits.
+    ``preload``) once. For each request (a model, input spec, config and cap; any batch
+    size) the zygote forks a *template*: a child that builds the model and the optimizer,
+    runs the warm-up step at batch 1 and drops its gradients and batch, exactly what a
+    fresh process does before its cap is set, then waits. Each trial is a child forked
+    from the template at that point: its memory is the template's, byte for byte, so it
+    is what a fresh process that imported those libraries and did that work holds (the
+    zygote imports nothing else: a fresh process imports ``torch._dynamo`` when it builds
+    its first optimizer, after the model; importing it in the zygote moves the heap's free
+    space and, measured, changed the largest batch by one). A trial then costs a fork
+    and its steps: the model's build, its warm-up and the ``torch._dynamo`` import (2-5 s
+    on this machine) are paid once per request, by the template, which :meth:`prepare`
+    starts while the caller computes its prediction. The template is kept while requests
+    repeat, so a second search of the same request on the same server starts at once.
+
+    Templates need one thread: GNU OpenMP does not survive a fork after a parallel
+    region (the child hangs), and a template warmed up on one thread for a trial on more
+    is not a fresh process (measured on a small convnet on two threads: 1 MiB more
+    overhead, the largest batch two lower). A request on more threads (a request
+    carries the caller's ``torch.get_num_threads()``) gets what a fresh process on that
+    many threads does: each trial is a child that builds, warms up (starting its thread
+    team and the workers' malloc arenas before the cap) and runs, the next one prepared
+    ahead while the current one runs.
 
     Args:
         preload: module names to import in the zygote (torch and batchfit are always).
         env: the zygote's environment (default: this process's); glibc reads
             ``MALLOC_*`` variables from it at start-up.
-        prepare_next: keep a child prepared for the next trial of the same request.
+        prepare_next: keep the template between trials of the same request; False builds
+            a new one for every trial (each trial then pays the build and the warm-up).
     """
 
     def __init__(self, preload: list[str] | tuple[str, ...] = (), *,
@@ -903,16 +916,18 @@ class TrialServer:
         self._process = subprocess.Popen(
             [sys.executable, "-c", "from batchfit.probe import zygote_main; zygote_main()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        # Read through the unbuffered stream, so that select() sees every pending byte.
+        self._output = self._process.stdout.raw
         _frame(self._process.stdin, pickle.dumps({
             "preload": self.preload, "sys_path": sys.path, "main_path": _main_path(),
-            "prepare_next": prepare_next}))
+            "keep_template": prepare_next}))
         self._ready = False
         self._keys: list[tuple[TrialRequest, bytes]] = []
 
     def wait_ready(self) -> None:
         """Block until the zygote has imported its modules."""
         if not self._ready:
-            reply = self._receive(None)
+            reply = pickle.loads(self._receive(None))
             if "error" in reply:
                 raise TrialError(f"the trial process could not start: {reply['error']}")
             self._ready = True
@@ -929,33 +944,35 @@ class TrialServer:
         return data
 
     def prepare(self, request: TrialRequest) -> None:
-        """Start preparing a child for ``request`` now (no batch size needed yet)."""
+        """Start building the template for ``request`` now (no batch size needed yet)."""
         _frame(self._process.stdin, self._key(request))
         _frame(self._process.stdin, struct.pack("<q", 0))
 
     def run(self, request: TrialRequest, *, timeout_s: float | None = None) -> Trial:
-        """Run one trial in a forked child (a prepared one when it matches)."""
+        """Run one trial in a child forked from the request's template."""
         self.wait_ready()
         _frame(self._process.stdin, self._key(request))
         _frame(self._process.stdin, struct.pack("<q", request.batch_size))
-        child = self._receive(None)["child"]
+        child = pickle.loads(self._receive(None))["child"]
         try:
-            reply = self._receive(timeout_s)
+            messages = self._receive(timeout_s)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+            if child:  # None: the template died before it could fork
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
+            self._receive(None)
             self._receive(None)
             raise TrialError(f"the trial did not finish within {timeout_s} s") from None
-        return _trial_from_reply(reply, request)
+        (status,) = struct.unpack("<q", self._receive(None))
+        return _trial_from_reply(_decode_messages(messages), status, request)
 
-    def _receive(self, timeout_s: float | None) -> dict[str, Any]:
-        stream = self._process.stdout
+    def _receive(self, timeout_s: float | None) -> bytes:
         if timeout_s is not None:
-            ready, _, _ = select.select([stream], [], [], timeout_s)
+            ready, _, _ = select.select([self._output], [], [], timeout_s)
             if not ready:
                 raise TimeoutError
         try:
-            return pickle.loads(_unframe(stream))
+            return _unframe(self._output)
         except EOFError:
             code = self._process.wait()
             raise TrialError(f"the trial process exited unexpectedly (code {code})") from None
@@ -970,7 +987,7 @@ class TrialServer:
                 self._process.kill()
                 self._process.wait()
 
-    def __enter__(self) -> TrialServer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -983,8 +1000,19 @@ def _main_path() -> str | None:
     return os.path.abspath(path) if path and path.endswith(".py") else None
 
 
-def _trial_from_reply(reply: dict[str, Any], request: TrialRequest) -> Trial:
-    messages = reply["messages"]
+def _decode_messages(data: bytes) -> list[tuple[str, Any]]:
+    """The trial child's ``(kind, value)`` messages, from its raw framed output."""
+    import io
+
+    stream, messages = io.BytesIO(data), []
+    with contextlib.suppress(EOFError, pickle.UnpicklingError):
+        while True:
+            messages.append(pickle.loads(_unframe(stream)))
+    return messages
+
+
+def _trial_from_reply(messages: list[tuple[str, Any]], status: int,
+                      request: TrialRequest) -> Trial:
     kinds = dict(messages)
     if "result" in kinds:
         return Trial(**kinds["result"])
@@ -992,7 +1020,6 @@ def _trial_from_reply(reply: dict[str, Any], request: TrialRequest) -> Trial:
         exc, text = kinds["error"]
         exc.add_note(f"raised in the trial process (batch {request.batch_size}):\n{text}")
         raise exc
-    status = reply["status"]
     how = (f"signal {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status)
            else f"exit code {os.WEXITSTATUS(status)}")
     if "capped" in kinds:  # it died under the cap: a library that aborts when malloc fails
@@ -1002,63 +1029,78 @@ def _trial_from_reply(reply: dict[str, Any], request: TrialRequest) -> Trial:
     raise TrialError(f"the trial process died ({how}) before its memory cap was set")
 
 
-# --------------------------------------------------------------------------- in the zygote / child
+# --------------------------------------------------------------------------- in the zygote / template / trial
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
 
 
 @dataclass
-class _Child:
-    """A forked child: ``control`` carries its batch size, ``output`` its messages."""
+class _Template:
+    """A forked template (in the zygote): ``control`` carries batch sizes to it, ``output``
+    brings back, per trial, three frames: ``{"child": pid}``, the trial child's raw
+    messages, and its wait status."""
 
     key: bytes
     pid: int
     control: int
-    output: int
+    output: BinaryIO
 
-    def go(self, batch_size: int) -> None:
-        with contextlib.suppress(BrokenPipeError, OSError):  # it died preparing: see output
+    def run(self, batch_size: int, relay: Callable[[bytes], None]) -> bool:
+        """Start one trial and relay its three frames as they come (the caller's timeout
+        needs the first at once); False if the template is gone."""
+        relayed = 0
+        try:
             os.write(self.control, struct.pack("<q", batch_size))
-        os.close(self.control)
-
-    def collect(self) -> tuple[list[Any], int]:
-        messages = []
-        with os.fdopen(self.output, "rb") as pipe, \
-                contextlib.suppress(EOFError, pickle.UnpicklingError):
-            while True:
-                messages.append(pickle.loads(_unframe(pipe)))
-        _, status = os.waitpid(self.pid, 0)
-        return messages, status
+            while relayed < 3:
+                relay(_unframe(self.output))
+                relayed += 1
+        except (EOFError, BrokenPipeError, OSError):
+            _, status = os.waitpid(self.pid, 0)
+            self.pid = 0
+            for frame in [pickle.dumps({"child": None}), b"",
+                          struct.pack("<q", status)][relayed:]:
+                relay(frame)
+        return self.pid != 0
 
     def discard(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        os.close(self.control)
-        os.close(self.output)
-        os.waitpid(self.pid, 0)
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        with contextlib.suppress(OSError):
+            os.close(self.control)
+        self.output.close()
 
 
-def _fork_child(key: bytes, main_path: str | None, closing: list[Any]) -> _Child:
+def _fork_template(key: bytes, main_path: str | None, closing: list[Any]) -> _Template:
     control_read, control_write = os.pipe()
     output_read, output_write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child
+    if pid == 0:  # the template
         code = 0
         try:
             for stream in closing:
                 stream.close()
             os.close(control_write)
             os.close(output_read)
-            _child_main(key, control_read, output_write, main_path)
-        except BaseException:  # noqa: BLE001 - the parent reads the exit status
+            _template_main(key, control_read, output_write, main_path)
+        except BaseException:  # noqa: BLE001 - the zygote reads the exit status
             code = 1
         finally:
             os._exit(code)
     os.close(control_read)
     os.close(output_write)
-    return _Child(key, pid, control_write, output_read)
+    return _Template(key, pid, control_write, os.fdopen(output_read, "rb", buffering=0))
 
 
 def zygote_main() -> None:
-    """Entry point of the zygote: import, then fork children on request (internal)."""
+    """Entry point of the zygote: import, then fork templates on request (internal)."""
     proto_in = os.fdopen(os.dup(0), "rb")
     proto_out = os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -1076,7 +1118,7 @@ def zygote_main() -> None:
     gc.collect()  # free the imports' garbage here, as a fresh process's collection would
     gc.freeze()  # children's gc.collect() skips (and never copies) the zygote's objects
     _frame(proto_out, pickle.dumps({"ready": True}))
-    spare: _Child | None = None
+    template: _Template | None = None
     closing = [proto_in, proto_out]
     try:
         while True:
@@ -1085,22 +1127,131 @@ def zygote_main() -> None:
                 (batch_size,) = struct.unpack("<q", _unframe(proto_in))
             except EOFError:
                 return
-            if spare is not None and spare.key != key:
-                spare.discard()
-                spare = None
+            if template is not None and template.key != key:
+                template.discard()
+                template = None
+            if template is None:
+                template = _fork_template(key, setup["main_path"], closing)
             if batch_size == 0:  # prepare only
-                spare = spare or _fork_child(key, setup["main_path"], closing)
                 continue
-            child, spare = spare or _fork_child(key, setup["main_path"], closing), None
-            child.go(batch_size)
-            if setup["prepare_next"]:
-                spare = _fork_child(key, setup["main_path"], closing)
-            _frame(proto_out, pickle.dumps({"child": child.pid}))
-            messages, status = child.collect()
-            _frame(proto_out, pickle.dumps({"messages": messages, "status": status}))
+            alive = template.run(batch_size, lambda frame: _frame(proto_out, frame))
+            if not alive or not setup["keep_template"]:
+                template.discard()
+                template = None
     finally:
-        if spare is not None:
-            spare.discard()
+        if template is not None:
+            template.discard()
+
+
+def _template_main(key: bytes, control: int, output: int, main_path: str | None) -> None:
+    """Serve one request: fork one trial child per batch size received, one kept ready.
+
+    On one thread the template builds the model and warms up once, and its children
+    start from that state. With more threads it cannot (GNU OpenMP does not survive a
+    fork after a parallel region), so each child builds and warms up itself with the
+    request's threads, as a fresh process does; the ready one does it ahead.
+    """
+    failure, prepared, request = None, None, None
+    try:
+        request = _load_request(key, main_path)
+        if request.num_threads == 1:
+            prepared = _PreparedTrial.build(request)
+    except BaseException as exc:  # noqa: BLE001 - sent back with each trial request
+        failure = _frame_bytes(pickle.dumps(("error", _packed_exception(exc))))
+    with os.fdopen(control, "rb", buffering=0) as requests, os.fdopen(output, "wb") as out:
+        closing = [requests, out]
+        ready = None if failure is not None else _fork_ready(prepared, request, closing)
+        try:
+            while True:
+                try:
+                    (batch_size,) = struct.unpack("<q", _read_exact(requests, 8))
+                except EOFError:
+                    return
+                if ready is None:
+                    for frame in (pickle.dumps({"child": None}), failure, struct.pack("<q", 0)):
+                        _frame(out, frame)
+                    continue
+                child, ready = ready, None
+                child.go(batch_size)
+                ready = _fork_ready(prepared, request, closing)
+                _frame(out, pickle.dumps({"child": child.pid}))
+                messages, status = child.collect()
+                _frame(out, messages)
+                _frame(out, struct.pack("<q", status))
+        finally:
+            if ready is not None:
+                ready.discard()
+
+
+@dataclass
+class _ReadyChild:
+    """A trial child waiting for its batch size on ``control``; it writes to ``result``."""
+
+    pid: int
+    control: int
+    result: int
+
+    def go(self, batch_size: int) -> None:
+        with contextlib.suppress(BrokenPipeError, OSError):  # it died preparing: see result
+            os.write(self.control, struct.pack("<q", batch_size))
+        os.close(self.control)
+
+    def collect(self) -> tuple[bytes, int]:
+        messages = _read_all(self.result)
+        _, status = os.waitpid(self.pid, 0)
+        return messages, status
+
+    def discard(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        os.close(self.control)
+        os.close(self.result)
+        os.waitpid(self.pid, 0)
+
+
+def _fork_ready(prepared: _PreparedTrial | None, request: TrialRequest,
+                closing: list[Any]) -> _ReadyChild:
+    control_read, control_write = os.pipe()
+    result_read, result_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the trial child
+        code = 0
+        try:
+            for stream in closing:
+                stream.close()
+            os.close(control_write)
+            os.close(result_read)
+            _trial_main(prepared, request, control_read, result_write)
+        except BaseException:  # noqa: BLE001 - the parent reads the exit status
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(control_read)
+    os.close(result_write)
+    return _ReadyChild(pid, control_write, result_read)
+
+
+def _frame_bytes(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+def _trial_main(prepared: _PreparedTrial | None, request: TrialRequest, control: int,
+                output: int) -> None:
+    with os.fdopen(output, "wb") as out:
+        def emit(kind: str, value: Any) -> None:
+            _frame(out, pickle.dumps((kind, value)))
+
+        try:
+            if prepared is None:
+                prepared = _PreparedTrial.build(request)
+            with os.fdopen(control, "rb", buffering=0) as pipe:
+                try:
+                    (batch_size,) = struct.unpack("<q", _read_exact(pipe, 8))
+                except EOFError:  # discarded before use
+                    return
+            emit("result", prepared.run(batch_size, lambda info: emit("capped", info)))
+        except BaseException as exc:  # noqa: BLE001 - sent back and re-raised in the parent
+            emit("error", _packed_exception(exc))
 
 
 def _load_request(payload: bytes, main_path: str | None) -> TrialRequest:
@@ -1117,24 +1268,6 @@ def _load_request(payload: bytes, main_path: str | None) -> TrialRequest:
     main.__dict__.update(runpy.run_path(main_path, run_name="__mp_main__"))
     sys.modules["__main__"] = sys.modules["__mp_main__"] = main
     return pickle.loads(payload)
-
-
-def _child_main(key: bytes, control: int, output: int, main_path: str | None) -> None:
-    with os.fdopen(output, "wb") as out:
-        def emit(kind: str, value: Any) -> None:
-            _frame(out, pickle.dumps((kind, value)))
-
-        try:
-            request = _load_request(key, main_path)
-            prepared = _PreparedTrial.build(request)
-            with os.fdopen(control, "rb") as pipe:
-                try:
-                    (batch_size,) = struct.unpack("<q", _read_exact(pipe, 8))
-                except EOFError:  # discarded before use
-                    return
-            emit("result", prepared.run(batch_size, lambda info: emit("capped", info)))
-        except BaseException as exc:  # noqa: BLE001 - sent back and re-raised in the parent
-            emit("error", _packed_exception(exc))
 
 
 def _packed_exception(exc: BaseException) -> tuple[BaseException, str]:
@@ -1176,8 +1309,8 @@ def _warm_up(runner: StepRunner, setup: _StepSetup, generator: torch.Generator) 
 
 @dataclass
 class _PreparedTrial:
-    """A child after its warm-up, waiting for a batch size: what a fresh process that
-    built the model and the optimizer and ran one step at batch 1 holds."""
+    """After the build and the warm-up, waiting for a batch size: what a fresh process
+    that built the model and the optimizer and ran one step at batch 1 holds."""
 
     request: TrialRequest
     setup: _StepSetup
@@ -1186,7 +1319,7 @@ class _PreparedTrial:
 
     @classmethod
     def build(cls, request: TrialRequest) -> _PreparedTrial:
-        torch.set_num_threads(request.num_threads)
+        torch.set_num_threads(request.num_threads)  # a template: 1 (see _template_main)
         torch.manual_seed(0)
         setup = _StepSetup.of(request.inputs, request.config, torch.device("cpu"))
         model = setup.prepare(_build_from_source(request.model))

@@ -8,11 +8,16 @@ a few small strategy functions, in order, for the next batch size:
 1. ``_verify_step``: a failure in a process that had already failed once (in-process
    trials, where freed memory can stay fragmented) is re-run at once in a clean state;
    that run replaces it. So every failure the search acts on is a clean one.
-2. ``_seed_step``: the first trial, *below* the prediction by ``approach`` of the limit
-   in bytes (``approach * limit / bytes_per_sample`` samples), so that it most likely
-   fits and yields a measurement. The CPU default, 25%, covers the process memory the
-   prediction does not see (DESIGN.md §4: 20-37% of RSS; measured here 4-24% of the
-   cap); CUDA's, 5%, a prediction that models the caching allocator.
+2. ``_seed_step``: the first trial, which must fit and measure the usage the prediction
+   cannot see. On the CPU, when the prediction is the line through its traces at batch
+   16 and 32 (below), at batch 16: the trace there is exact for live tensors, so the
+   trial measures only what is missing (the runtime's overhead, 5-30 MiB, nearly
+   independent of the batch), and it costs a fraction of a trial at the boundary.
+   Otherwise *below* the prediction by ``approach`` of the limit in bytes
+   (``approach * limit / bytes_per_sample`` samples), so that it most likely fits. The
+   CPU default, 25%, covers the process memory the prediction does not see
+   (DESIGN.md §4: 20-37% of RSS; measured here 4-24% of the cap); CUDA's, 5%, a
+   prediction that models the caching allocator.
 3. ``_schedule_step``: a bisection when the bracket has not halved in two trials, so a
    misleading model still converges in O(log range) trials.
 4. ``_model_step``: the affine usage model. Each fitting trial measures ``used_bytes``,
@@ -29,21 +34,40 @@ With a prediction whose error the seed's margin covers, a search takes three tri
 (the seed below the boundary, the model's answer, and the answer + 1, the only one
 that fails); two when the seed is already the answer.
 
+The CPU prediction is two traces, at batch 16 and 32 (:func:`batchfit.estimate`): the
+state (parameters, buffers, optimizer state) and the growth at 16 come from the first,
+the per-sample slope from both, and the line is solved for the cap. Where the answer is
+below 32 the peak need not be affine in the batch (at small batches it can sit in the
+optimizer step), and :func:`batchfit.max_batch_size` solves exactly (more traces).
+
 Why each CPU trial is a fresh process: after an out-of-memory error the freed memory
 stays in the process (glibc's heap, and whatever the training loop still holds), so a
 later, smaller batch can fail in the same process (measured here: Lightning's binsearch
 saw 48 fail after 64 failed, with a true maximum of 63). A fresh interpreter costs 7-10 s
 on this machine (``import torch``, then ``torch._dynamo`` at the first optimizer), so
-trials fork from a zygote that imported torch and the model's library once
-(:class:`batchfit.probe.TrialServer`); each child builds the model, warms up and waits,
-one child ahead, so its set-up overlaps the prediction or the previous trial. The
-answer is the largest batch that runs in a fresh process with the cap, by construction
-(the child's memory history is a fresh process's: the benchmark's independent
-``python -c`` truth and the children agree to the byte at the boundary). On CUDA the
+the trials fork from a zygote that imported torch and the model's library once
+(:class:`batchfit.probe.TrialServer`), through a *template*: a child of the zygote that
+builds the model and the optimizer and warms up once, while the prediction runs. Each
+trial is a child forked from the template, its memory the template's byte for byte, so
+a trial costs a fork and its steps. (On one thread only: on more, each trial child
+builds and warms up itself, one prepared ahead, as before; see the TrialServer.) The answer is the largest batch that runs in a
+fresh process with the cap, by construction (the template's memory history is a fresh
+process's: the benchmark's independent ``python -c`` truth and the trials agree to the
+byte at the boundary of the small CNN and GPT-2; for ResNet-18, see below). On CUDA the
 trials run in the user's process (the model is there), an
 out-of-memory error is followed by ``empty_cache()``, which hands every cached segment
 back, and a failure that followed another failure is re-run before it is believed
 (approaching from below, a search rarely has a second failure).
+
+Distributed (``torch.distributed`` initialized, or ``process_group``): every rank runs
+every trial on its own device (CPU: its own capped children; CUDA: in its process),
+catches its own out-of-memory error, and only then, outside the trial, takes part in
+one ``all_reduce(MIN)`` per trial: the batch fits only if it fitted on every rank, and
+the usage model follows the rank with the least room left. The loop is deterministic,
+so every rank tries the same batch sizes and returns the same answer. A
+``DistributedDataParallel`` model runs through its wrapped module, without DDP's
+gradient all-reduce, which would leave the ranks that did not run out of memory waiting
+in backward (:mod:`batchfit.distributed`).
 
 The CPU memory cap: ``memory_cap_bytes`` is what a trial may use beyond the process's
 own state after building the model and the optimizer and one warm-up step at batch 1
@@ -61,9 +85,17 @@ returns it when freed (as a CUDA allocator's large segments do), the process use
 few MiB more than its live tensors, and the boundary is sharp and repeatable (129 fits,
 130 fails, in every fresh process). ``reproducible=False`` leaves glibc as it is.
 What pinning does not remove: for ResNet-18 (oneDNN convolutions) the batch at the
-boundary still fitted in about half of the fresh processes, with or without address
-space randomization; the search then reports one of the two, and the recommendation's
-headroom is the batch to use.
+boundary (35) still fitted in some fresh processes and not in others, with a fixed hash
+seed and without address space randomization. Its step grows glibc's heap (the
+small CNN's does not), so its outcome depends on the free space the heap had when the
+cap was set: a data-segment sampler in the benchmark's fresh process measured -192 to
++408 KiB to spare at 35 over 4 runs, and +0.9 to +1.5 MiB in the same process after
+importing two more modules (``batchfit.probe``, or ``ctypes``) before the model. The
+trials, forked from one template, all see the same heap: 35 fits in all of them or in
+none, depending on what the zygote imported. No repeat inside one zygote can reveal the
+spread, and no margin separates it from the CNN's boundary, which fits in every fresh
+run with 144 KiB to spare; so such a boundary is reported as the trials see it, and the
+recommendation's headroom is the batch to use.
 
 What the prediction misses on the CPU (``benchmarks/max_vs_true_cpu.py``): 5-7 MiB of
 process memory outside the tensor allocator at any batch (Python and autograd objects,
@@ -81,13 +113,14 @@ kernel choice). The recommendation keeps that much free again, and never less th
 ``floor(max * (1 - min_headroom))``.
 
 Known limitations:
-    * Distributed trials (all ranks agreeing on each outcome) are not implemented.
+    * Sharded (FSDP) models are refused: their forward runs collectives.
     * The model takes usage to be affine in the batch size near the boundary; a
       staircase (allocator rounding) only costs extra trials, never a wrong answer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -105,6 +138,8 @@ if TYPE_CHECKING:
 DEFAULT_MAX_BATCH_LIMIT = 1 << 16
 #: glibc's initial mmap threshold; pinning it disables the dynamic threshold.
 PINNED_MMAP_THRESHOLD = 128 * 1024
+#: The CPU prediction's two traces: a line through them is solved for the cap.
+_LINE_BATCHES = (16, 32)
 
 # --------------------------------------------------------------------------- torch-free core
 
@@ -139,6 +174,8 @@ class SearchPlan:
             ``approach`` of the prediction.
         slope_margin: inflate the predicted slope by this fraction, so the model
             approaches from below (for in-process trials, where failures are costly).
+        seed: the first trial's batch size, when the prediction knows a better one than
+            ``approach`` gives (the CPU's: the first batch its usage line was traced at).
     """
 
     predicted: int
@@ -148,6 +185,7 @@ class SearchPlan:
     isolated: bool = True
     approach: float = 0.1
     slope_margin: float = 0.0
+    seed: int | None = None
 
 
 @dataclass
@@ -222,6 +260,8 @@ def _seed_step(log: SearchLog) -> int | None:
     if log.outcomes:
         return None
     plan = log.plan
+    if plan.seed is not None:
+        return _clamp(plan.seed, 1, plan.max_batch_size)
     if plan.limit_bytes and plan.bytes_per_sample:
         seed = plan.predicted - math.ceil(plan.approach * plan.limit_bytes
                                           / plan.bytes_per_sample)
@@ -379,13 +419,18 @@ class SearchResult:
         recommended_batch_size: the maximum less headroom (rule in the module docstring).
         predicted_max_batch_size: the analytic prediction the search started from.
         prediction_error: ``(predicted - max) / max`` (positive: the prediction was high).
-        trials: every trial, in order.
+        trials: every trial, in order (distributed: this rank's own, so a trial here can
+            fit above the answer when another rank ran out of memory).
         device: ``"cpu"`` or ``"cuda:N"``.
         memory_cap_bytes: the cap the trials ran under (None: the whole device).
         steps_per_trial: real steps per trial.
         seconds: wall time of the whole search (prediction included).
         capped: True when the answer is ``max_batch_limit`` (more may fit).
-        overhead_bytes: the allocator's overhead at the maximum (see the docstring).
+        overhead_bytes: the allocator's overhead at the maximum (see the docstring;
+            distributed: the largest of the ranks').
+        world_size: the ranks that searched together (1: a single-process search).
+        limiting_rank: distributed: the lowest rank that ran out of memory at the
+            batch after the answer (None otherwise).
     """
 
     max_batch_size: int
@@ -399,6 +444,8 @@ class SearchResult:
     seconds: float
     capped: bool = False
     overhead_bytes: int | None = None
+    world_size: int = 1
+    limiting_rank: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -414,6 +461,8 @@ class SearchResult:
             "seconds": round(self.seconds, 3),
             "capped": self.capped,
             "overhead_bytes": self.overhead_bytes,
+            "world_size": self.world_size,
+            "limiting_rank": self.limiting_rank,
         }
 
 
@@ -428,7 +477,8 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
                      approach: float | None = None, reproducible: bool = True,
                      timeout_s: float | None = None,
                      on_trial: Callable[[Trial], None] | None = None,
-                     trial_server: Any = None, **options: Any) -> SearchResult:
+                     trial_server: Any = None, process_group: Any = None,
+                     **options: Any) -> SearchResult:
     """Find the largest batch size that trains (or infers) on the real device.
 
     On the CPU every trial is a fresh process capped at ``memory_cap_bytes`` beyond its
@@ -436,6 +486,12 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
     the trials run in this process on ``model``, under
     ``torch.cuda.set_per_process_memory_fraction`` when a cap is given, and everything
     is restored bit-exactly afterwards (:func:`batchfit.probe.preserved_state`).
+
+    Under ``torch.distributed`` (initialized, or ``process_group`` given) every rank of
+    the group must call this: each runs every trial on its own device, and a batch fits
+    only if it fits on every rank, so all ranks return the same answer
+    (:mod:`batchfit.distributed`). A ``DistributedDataParallel`` model is searched
+    through its wrapped module, without DDP's gradient all-reduce.
 
     Args:
         model: an ``nn.Module``, a factory, a :class:`~batchfit.models.ModelSpec` or a spec
@@ -455,7 +511,9 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
         max_batch_limit: never try beyond this.
         min_headroom: the least fraction of the limit the recommendation leaves free.
         approach: the first trial's margin below the prediction, as a fraction of the
-            limit (default: 0.25 on the CPU, 0.05 on CUDA; see the module docstring).
+            limit (default: on the CPU batch 16, where the prediction's line was traced,
+            when it predicts more than 32, else 0.25; 0.05 on CUDA; see the module
+            docstring).
         reproducible: CPU: trial processes pin glibc's mmap threshold, so the boundary
             is the same in (nearly) every fresh process (see the module docstring).
         timeout_s: a trial running longer than this raises (CPU).
@@ -464,10 +522,13 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
             trials from, shared between searches (its environment is then the caller's
             business, ``reproducible`` does not apply); by default one is started
             for this search and stopped after it.
+        process_group: the ranks that search together (default: every rank, when
+            ``torch.distributed`` is initialized); False: this rank alone.
 
     Raises:
-        DoesNotFitError: even batch 1 does not fit.
+        DoesNotFitError: even batch 1 does not fit (distributed: on some rank).
         InvalidInputError: a device that does not exist, a bad cap or step count.
+        TrialError: a trial died, timed out, or (distributed) raised on another rank.
 
     Example:
         >>> import functools, torch
@@ -478,30 +539,47 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
         True
     """
     started = time.perf_counter()
-    config = make_config(config, options if not _is_optimizer(optimizer) else
-                         {**options, **_optimizer_options(optimizer)})
-    if isinstance(optimizer, (str, type)):  # optimizer="sgd" is a config field
-        config = make_config(config, {"optimizer": optimizer})
-        optimizer = None
-    _check_search_args(steps_per_trial, memory_cap_bytes, max_batch_limit, min_headroom)
-    target = _parse_device(device)
+    from batchfit.distributed import agreement_for, local_module
+
+    agreement = None if process_group is False else agreement_for(process_group)
+    with _agreed(agreement, "checking the search's arguments"):
+        model = local_module(model)
+        config = make_config(config, options if not _is_optimizer(optimizer) else
+                             {**options, **_optimizer_options(optimizer)})
+        if isinstance(optimizer, (str, type)):  # optimizer="sgd" is a config field
+            config = make_config(config, {"optimizer": optimizer})
+            optimizer = None
+        _check_search_args(steps_per_trial, memory_cap_bytes, max_batch_limit, min_headroom)
+        target = _parse_device(device)
     from batchfit.probe import preserved_state
 
     user_model = model if _is_module(model) else None
     with preserved_state(user_model, optimizer if _is_optimizer(optimizer) else None, loader,
                          tensors=target.type != "cpu") as snapshot:
-        if inputs is None and loader is not None:
-            inputs = _inputs_from_loader(loader)
-            snapshot.restore()
-        if target.type == "cpu":
-            search = _CpuSearch(model, inputs, config, memory_cap_bytes, steps_per_trial,
-                                reproducible, timeout_s, trial_server)
-        else:
-            search = _CudaSearch(model, inputs, config, target, memory_cap_bytes,
-                                 steps_per_trial, optimizer, snapshot)
-        with search:
-            return search.run(predicted, max_batch_limit, approach, min_headroom, on_trial,
-                              started)
+        search: _Search | None = None
+        try:
+            with _agreed(agreement, "preparing the search"):
+                if inputs is None and loader is not None:
+                    inputs = _inputs_from_loader(loader)
+                    snapshot.restore()
+                if target.type == "cpu":
+                    search = _CpuSearch(model, inputs, config, memory_cap_bytes,
+                                        steps_per_trial, reproducible, timeout_s, trial_server)
+                else:
+                    search = _CudaSearch(model, inputs, config, target, memory_cap_bytes,
+                                         steps_per_trial, optimizer, snapshot)
+                prediction = (search.predict() if predicted is None
+                              else _Prediction(predicted))
+            return search.run(prediction, _RunOptions(max_batch_limit, approach, min_headroom,
+                                                      on_trial, started), agreement)
+        finally:
+            if search is not None:
+                search.close()
+
+
+def _agreed(agreement: Any, what: str) -> contextlib.AbstractContextManager[None]:
+    """``what`` under an agreement: every rank gets through it, or every rank raises."""
+    return agreement.stage(what) if agreement is not None else contextlib.nullcontext()
 
 
 def _check_search_args(steps: Any, cap: Any, limit: Any, headroom: Any) -> None:
@@ -582,24 +660,29 @@ def _machine_memory() -> tuple[int, int]:
     return found["MemTotal"], found.get("MemAvailable", found["MemTotal"])
 
 
+@dataclass(frozen=True)
+class _Prediction:
+    """What the analytic prediction tells the search (all optional but the batch)."""
+
+    max_batch_size: int | None
+    bytes_per_sample: float | None = None
+    needed_bytes: int | None = None  # at batch 1, for the "nothing fits" error
+    seed: int | None = None  # a first trial better than ``approach`` gives
+
+
+@dataclass(frozen=True)
+class _RunOptions:
+    max_batch_limit: int
+    approach: float | None
+    min_headroom: float
+    on_trial: Callable[[Trial], None] | None
+    started: float
+
+
 class _Search:
     """What differs between devices: how a trial runs and what the prediction's budget is."""
 
     steps: int
-
-    def __enter__(self) -> _Search:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def predict(self) -> tuple[int | None, float | None, int | None]:
-        """(predicted max batch, bytes per sample near it, bytes needed at batch 1)."""
-        raise NotImplementedError
-
-    def trial(self, batch_size: int) -> Trial:
-        raise NotImplementedError
-
     limit_bytes: int | None = None
     device_name: str = "cpu"
     cap_bytes: int | None = None
@@ -607,49 +690,96 @@ class _Search:
     usage_is_growth: bool = True
     default_approach: float = 0.25
 
-    def run(self, predicted: int | None, max_batch_limit: int, approach: float | None,
-            min_headroom: float, on_trial: Callable[[Trial], None] | None,
-            started: float) -> SearchResult:
-        needed = None
-        per_sample = None
-        if predicted is None:
-            predicted, per_sample, needed = self.predict()
-        trials: list[Trial] = []
+    def close(self) -> None:
+        pass
 
-        def evaluate(batch_size: int) -> Outcome:
+    def predict(self) -> _Prediction:
+        raise NotImplementedError
+
+    def trial(self, batch_size: int) -> Trial:
+        raise NotImplementedError
+
+    def measure(self, trial: Trial) -> tuple[bool, int | None, int | None, int | None]:
+        """``(fits, room left under the limit, live peak, allocator overhead)``."""
+        slack = (None if trial.used_bytes is None or self.limit_bytes is None
+                 else self.limit_bytes - trial.used_bytes)
+        return trial.fits, slack, trial.peak_bytes, _overhead(trial, self.usage_is_growth)
+
+    def run(self, prediction: _Prediction, options: _RunOptions,
+            agreement: Any = None) -> SearchResult:
+        """Search from ``prediction``; with an ``agreement``, together with the other ranks."""
+        predicted, per_sample = prediction.max_batch_size, prediction.bytes_per_sample
+        needed, limit = prediction.needed_bytes, self.limit_bytes
+        seed = prediction.seed if options.approach is None else None
+        max_batch = options.max_batch_limit
+        if agreement is not None:
+            agreed = agreement.plan(predicted, per_sample, limit, seed, max_batch, needed)
+            predicted, per_sample, limit = (agreed.predicted, agreed.bytes_per_sample,
+                                            agreed.limit_bytes)
+            seed, max_batch, needed = agreed.seed, agreed.max_batch_size, agreed.needed_bytes
+        trials: list[Trial] = []
+        agreed_trials: list[Any] = []
+
+        def run_one(batch_size: int) -> Trial:
             trial = self.trial(batch_size)
             trials.append(trial)
-            if on_trial is not None:
-                on_trial(trial)
-            return Outcome(batch_size, trial.fits, trial.used_bytes)
+            if options.on_trial is not None:
+                options.on_trial(trial)
+            return trial
 
-        if approach is None:
-            approach = self.default_approach
+        def evaluate(batch_size: int) -> Outcome:
+            if agreement is None:
+                trial = run_one(batch_size)
+                return Outcome(batch_size, trial.fits, trial.used_bytes)
+            _, outcome = agreement.trial(batch_size, lambda: run_one(batch_size), self.measure)
+            agreed_trials.append(outcome)
+            used = (None if outcome.slack_bytes is None or limit is None
+                    else limit - outcome.slack_bytes)
+            return Outcome(batch_size, outcome.fits, used if outcome.fits else None)
+
+        approach = self.default_approach if options.approach is None else options.approach
         plan = SearchPlan(
-            predicted=_clamp(predicted or 1, 1, max_batch_limit),
-            limit_bytes=self.limit_bytes, bytes_per_sample=per_sample,
-            max_batch_size=max_batch_limit, isolated=self.isolated,
+            predicted=_clamp(predicted or 1, 1, max_batch), limit_bytes=limit,
+            bytes_per_sample=per_sample, max_batch_size=max_batch, isolated=self.isolated,
             approach=approach if predicted else 0.0,
-            slope_margin=0.0 if self.isolated else 0.02)
+            slope_margin=0.0 if self.isolated else 0.02,
+            seed=seed if predicted and seed is not None and seed <= predicted else None)
         log = search_boundary(evaluate, plan)
+        if agreement is not None:
+            agreement.end(len(log.outcomes))
         answer = log.lower
         if answer == 0:
-            first = next(t for t in trials if t.batch_size == 1)
-            raise DoesNotFitError(
-                f"even batch 1 does not fit on {self.device_name}"
-                + (f" with a cap of {self.cap_bytes} B" if self.cap_bytes else "")
-                + f": {first.error}", needed_bytes=needed or 0,
-                available_bytes=self.cap_bytes or self.limit_bytes or 0)
-        overhead = _overhead(next(t for t in reversed(trials)
-                                  if t.fits and t.batch_size == answer), self.usage_is_growth)
+            self._nothing_fits(trials, agreed_trials, needed)
+        overhead = (_overhead(next(t for t in reversed(trials)
+                                   if t.fits and t.batch_size == answer), self.usage_is_growth)
+                    if agreement is None else
+                    next(a for a in reversed(agreed_trials) if a.fits and a.batch_size == answer
+                         ).overhead_bytes)
+        limiting = next((a.limiting_rank for a in reversed(agreed_trials)
+                         if not a.fits and a.batch_size == log.upper), None)
         return SearchResult(
             max_batch_size=answer,
-            recommended_batch_size=recommended_batch(log, overhead, min_headroom),
+            recommended_batch_size=recommended_batch(log, overhead, options.min_headroom),
             predicted_max_batch_size=predicted,
             prediction_error=(predicted - answer) / answer if predicted else None,
             trials=tuple(trials), device=self.device_name, memory_cap_bytes=self.cap_bytes,
-            steps_per_trial=self.steps, seconds=time.perf_counter() - started,
-            capped=answer >= max_batch_limit, overhead_bytes=overhead)
+            steps_per_trial=self.steps, seconds=time.perf_counter() - options.started,
+            capped=answer >= max_batch, overhead_bytes=overhead,
+            world_size=agreement.world_size if agreement is not None else 1,
+            limiting_rank=limiting)
+
+    def _nothing_fits(self, trials: list[Trial], agreed_trials: list[Any],
+                      needed: int | None) -> None:
+        own = next(t for t in trials if t.batch_size == 1)
+        where = self.device_name
+        if agreed_trials:
+            rank = next(a for a in agreed_trials if a.batch_size == 1).limiting_rank
+            where = f"rank {rank}'s {self.device_name}"
+        raise DoesNotFitError(
+            f"even batch 1 does not fit on {where}"
+            + (f" with a cap of {self.cap_bytes} B" if self.cap_bytes and own.error else "")
+            + (f": {own.error}" if own.error else ""), needed_bytes=needed or 0,
+            available_bytes=self.cap_bytes or self.limit_bytes or 0)
 
 
 def _overhead(trial: Trial, usage_is_growth: bool) -> int | None:
@@ -704,31 +834,53 @@ class _CpuSearch(_Search):
         self.server = server
         self.server.prepare(self.request)  # the first child warms up during the prediction
 
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         if self.owns_server:
             self.server.close()
 
-    def predict(self) -> tuple[int | None, float | None, int | None]:
+    def predict(self) -> _Prediction:
+        """Two traces (batch 16 and 32) give the state, the growth at 16 and the slope;
+        the line is solved for the cap. Below 32 the peak need not be affine (it can sit
+        in the optimizer step), so there :func:`batchfit.max_batch_size` solves exactly."""
         from batchfit import Category
-        from batchfit.maxbatch import max_batch_size
         from batchfit.predict import estimate
+        from batchfit.trace import TraceReuse
+
+        small, large = _LINE_BATCHES
+        reuse = TraceReuse()
+        try:
+            at_small, at_large = (estimate(self.factory, self.inputs, b, self.config,
+                                           device="cpu", reuse=reuse, first_step=False)
+                                  for b in (small, large))
+        except UntraceableError:
+            return _Prediction(None)
+        state = sum(at_small.by_category.get(c, 0) for c in
+                    (Category.PARAMETERS, Category.BUFFERS, Category.OPTIMIZER_STATE))
+        slope = (at_large.total_bytes - at_small.total_bytes) / (large - small)
+        growth = at_small.total_bytes - state  # beyond the warmed-up state, as the cap
+        needed = max(0, round(growth - slope * (small - 1)))
+        if slope <= 0:  # nothing grows with the batch: no line to solve
+            return _Prediction(None, needed_bytes=needed)
+        predicted = small + math.floor((self.cap_bytes - growth) / slope)
+        if predicted > large:  # start where the line was traced: cheap, and on the line
+            return _Prediction(predicted, slope, needed, seed=small)
+        return self._predict_exactly(state, needed)
+
+    def _predict_exactly(self, state: int, needed: int) -> _Prediction:
+        from batchfit.maxbatch import max_batch_size
         from batchfit.solve import NothingFits
 
-        try:
-            at_one = estimate(self.factory, self.inputs, 1, self.config, device="cpu")
-        except UntraceableError:
-            return None, None, None
-        state = sum(at_one.by_category.get(c, 0) for c in
-                    (Category.PARAMETERS, Category.BUFFERS, Category.OPTIMIZER_STATE))
         try:
             result = max_batch_size(self.factory, self.inputs, self.config, device="cpu",
                                     memory_bytes=state + self.cap_bytes)
         except NothingFits:
-            return 1, None, at_one.peak_allocated_bytes - state
+            return _Prediction(1, needed_bytes=needed)
+        except UntraceableError:
+            return _Prediction(None, needed_bytes=needed)
         per_sample = None
         if result.total_bytes_at_next is not None:
             per_sample = float(result.total_bytes_at_next - result.total_bytes_at_max)
-        return result.max_batch_size, per_sample or None, at_one.peak_allocated_bytes - state
+        return _Prediction(result.max_batch_size, per_sample or None, needed)
 
     def trial(self, batch_size: int) -> Trial:
         from dataclasses import replace
@@ -737,20 +889,19 @@ class _CpuSearch(_Search):
                                timeout_s=self.timeout_s)
 
 
-class _CudaSearch(_Search):
-    """Trials in this process on the user's model, state restored after each."""
+class _InProcessSearch(_Search):
+    """Trials in this process on the user's model, state restored after each (the CUDA
+    search below; on the CPU, where an uncapped in-process trial measures nothing
+    useful, only the distributed tests use it directly)."""
 
     isolated = False
-    usage_is_growth = False
     default_approach = 0.05
 
-    def __init__(self, model: Any, inputs: Any, config: TrainConfig, device: Any,
-                 cap_bytes: int | None, steps: int, optimizer: Any, snapshot: Any):
-        import contextlib
-
+    def __init__(self, model: Any, inputs: Any, config: TrainConfig, device: Any, steps: int,
+                 optimizer: Any, snapshot: Any):
         import torch
 
-        from batchfit.probe import _checked_module, _StepSetup, cuda_memory_cap, model_source
+        from batchfit.probe import _checked_module, _StepSetup, model_source
 
         source, spec_inputs, loss_fn = model_source(model)
         self.inputs = inputs if inputs is not None else spec_inputs
@@ -770,6 +921,32 @@ class _CudaSearch(_Search):
             setup = _StepSetup.of(self.inputs, config, device)
             with torch.device("cpu"):
                 self.model = setup.prepare(_checked_module(source()))
+
+    def predict(self) -> _Prediction:
+        return _Prediction(None)
+
+    def trial(self, batch_size: int) -> Trial:
+        from batchfit.probe import run_trial
+
+        try:
+            return run_trial(self.model, self.inputs, batch_size, self.config,
+                             optimizer=self.optimizer, steps=self.steps, device=self.device)
+        finally:
+            self.snapshot.restore()
+
+
+class _CudaSearch(_InProcessSearch):
+    """In-process trials on a GPU, under the caching allocator's cap when one is given."""
+
+    usage_is_growth = False
+
+    def __init__(self, model: Any, inputs: Any, config: TrainConfig, device: Any,
+                 cap_bytes: int | None, steps: int, optimizer: Any, snapshot: Any):
+        import torch
+
+        from batchfit.probe import cuda_memory_cap
+
+        super().__init__(model, inputs, config, device, steps, optimizer, snapshot)
         self.cap_bytes = cap_bytes
         self._cap = contextlib.ExitStack()
         self._cap.enter_context(cuda_memory_cap(device, cap_bytes))
@@ -777,10 +954,10 @@ class _CudaSearch(_Search):
         self.limit_bytes = cap_bytes if cap_bytes is not None else \
             free + torch.cuda.memory_reserved(device)
 
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         self._cap.close()
 
-    def predict(self) -> tuple[int | None, float | None, int | None]:
+    def predict(self) -> _Prediction:
         from batchfit.catalog import live_gpu
         from batchfit.device import gpu_profile
         from batchfit.maxbatch import max_batch_size
@@ -792,22 +969,13 @@ class _CudaSearch(_Search):
             result = max_batch_size(self.model, self.inputs, self.config, device=profile,
                                     memory_bytes=memory)
         except NothingFits as exc:
-            return 1, None, exc.needed_bytes
+            return _Prediction(1, needed_bytes=exc.needed_bytes)
         except UntraceableError:
-            return None, None, None
+            return _Prediction(None)
         per_sample = None
         if result.total_bytes_at_next is not None:
             per_sample = float(result.total_bytes_at_next - result.total_bytes_at_max)
-        return result.max_batch_size, per_sample or None, None
-
-    def trial(self, batch_size: int) -> Trial:
-        from batchfit.probe import run_trial
-
-        try:
-            return run_trial(self.model, self.inputs, batch_size, self.config,
-                             optimizer=self.optimizer, steps=self.steps, device=self.device)
-        finally:
-            self.snapshot.restore()
+        return _Prediction(result.max_batch_size, per_sample or None)
 
 
 def summarize_trials(trials: Sequence[Trial]) -> str:
