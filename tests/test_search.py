@@ -301,3 +301,17 @@ def test_bad_input_is_one_clear_error(kwargs, message):
     options = {"device": "cpu", "memory_cap_bytes": CAP, **kwargs}
     with pytest.raises(InvalidInputError, match=message):
         search_max_batch(Broadcast, (1,), optimizer="sgd", predicted=1, **options)
+
+
+def test_optimizer_options_rebuild_adamw():
+    # torch's AdamW keeps ``decoupled_weight_decay`` in ``defaults`` but its constructor
+    # rejects it: the options must rebuild the same optimizer class with the same lr.
+    import torch
+
+    from batchfit.search import _optimizer_options
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    options = _optimizer_options(torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1))
+    rebuilt = options["optimizer"](params, **options["optimizer_kwargs"])
+    assert type(rebuilt) is torch.optim.AdamW
+    assert rebuilt.defaults["lr"] == 3e-4 and rebuilt.defaults["weight_decay"] == 0.1

@@ -628,11 +628,18 @@ def _is_optimizer(value: Any) -> bool:
 
 def _optimizer_options(optimizer: Any) -> dict[str, Any]:
     """The config fields that rebuild ``optimizer`` in a fresh process: its class and the
-    hyper-parameters of its first param group."""
+    defaults its constructor accepts (AdamW's ``defaults`` carry ``decoupled_weight_decay``,
+    which ``AdamW()`` rejects)."""
+    import inspect
+
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    open_ended = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
     kwargs = {k: v for k, v in optimizer.defaults.items()
-              if k not in ("differentiable", "capturable", "foreach", "fused")
-              or v not in (False, None)}
-    return {"optimizer": type(optimizer), "optimizer_kwargs": kwargs}
+              if (open_ended or k in accepted)
+              and (k not in ("differentiable", "capturable", "foreach", "fused")
+                   or v not in (False, None))}
+    return {"optimizer": cls, "optimizer_kwargs": kwargs}
 
 
 def _inputs_from_loader(loader: Any) -> Any:

@@ -7,7 +7,6 @@ cannot be traced costs a warning and a search without a seed, never an error.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -56,16 +55,10 @@ def batch_structure(batch: Any) -> Structure | None:
 
 
 def optimizer_options(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's class and the hyper-parameters its constructor accepts (AdamW's
-    ``defaults`` carry ``decoupled_weight_decay``, which ``AdamW()`` rejects)."""
-    cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    open_ended = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
-    kwargs = {k: v for k, v in optimizer.defaults.items()
-              if (open_ended or k in accepted)
-              and (k not in ("differentiable", "capturable", "foreach", "fused")
-                   or v not in (False, None))}
-    return {"optimizer": cls, "optimizer_kwargs": kwargs}
+    """The optimizer's class and the hyper-parameters its constructor accepts."""
+    from batchfit.search import _optimizer_options
+
+    return _optimizer_options(optimizer)
 
 
 def live_cuda_target(device: torch.device) -> tuple[Any, int]:
