@@ -28,7 +28,11 @@ cuDNN's workspaces follow other rules (DeviceProfile.workspace_bytes).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -119,12 +123,30 @@ def _real_like(tensor: torch.Tensor, batch: int | None) -> torch.Tensor:
     return real
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null: kineto prints a line to it on every profiler
+    start and stop (and an error about GPUs on a machine without one), which would land
+    in the user's terminal once per calibrated op."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 def _in_op_scratch(run: Callable[[], Any]) -> int:
     """Peak CPU allocator bytes inside ``run()`` beyond the outputs it returns."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _native_stderr_silenced(), \
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = run()
     changes = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                      if e.nbytes() != 0 and e.device_type() == DeviceType.CPU)
