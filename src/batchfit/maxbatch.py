@@ -297,7 +297,7 @@ def trace_in_parallel(trace: Callable[[int], StepTrace], batch_sizes: Sequence[i
     depends on the fork. Off (sequential) when not ``allowed`` (CPU targets, whose
     traces run the profiler for kernel scratch, and kineto hangs in a forked child),
     on one core, on systems without ``fork``, once CUDA is initialised (a forked
-    child cannot use it), when the load average leaves no core free, and with
+    child cannot use it), when no core is idle right now, and with
     ``BATCHFIT_PARALLEL_TRACES=0``.
     """
     if len(batch_sizes) < 2 or not allowed or not _can_fork():
@@ -357,13 +357,36 @@ def _can_fork() -> bool:
         return False
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # A second core that other work keeps busy makes the pair slower than in sequence
-    # (measured: 24.5 s vs 20.0 s for ResNet-50 with one core taken), so fork only
-    # when the load leaves a core free.
-    if (cores or 1) < 2 or os.getloadavg()[0] > (cores or 1) - 1:
+    # (measured for ResNet-50's `max`: 24.5 s vs 20.0 s with one core taken; 9.3-10.1 s
+    # vs 10.9-11.5 s on a quiet machine), so fork only when a core is idle right now.
+    if (cores or 1) < 2 or _idle_cores() < 1.5:  # this process and the child: two cores
         return False
     import torch
 
     return not torch.cuda.is_initialized()
+
+
+def _idle_cores(window_s: float = 0.05) -> float:
+    """Cores' worth of idle CPU over the next ``window_s`` (/proc/stat); on systems
+    without it, assume two. The load average lags by a minute, so it is not used."""
+    import time
+
+    def sample() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as stat:
+                fields = [int(v) for v in stat.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)
+
+    first = sample()
+    time.sleep(window_s)
+    second = sample()
+    if first is None or second is None or second[0] <= first[0]:
+        return 2.0
+    import os
+
+    return (second[1] - first[1]) / (second[0] - first[0]) * (os.cpu_count() or 1)
 
 
 def _reap(pid: int) -> None:
