@@ -1078,24 +1078,32 @@ class _Template:
         self.output.close()
 
 
-def _fork_template(key: bytes, main_path: str | None, closing: list[Any]) -> _Template:
+def _fork_child(closing: list[Any], run: Callable[[int, int], None]) -> tuple[int, int, int]:
+    """Fork a child that closes ``closing``, runs ``run(control_fd, output_fd)`` and exits
+    with 0 (1 if it raised); return ``(pid, control write fd, output read fd)``."""
     control_read, control_write = os.pipe()
     output_read, output_write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the template
+    if pid == 0:
         code = 0
         try:
             for stream in closing:
                 stream.close()
             os.close(control_write)
             os.close(output_read)
-            _template_main(key, control_read, output_write, main_path)
-        except BaseException:  # noqa: BLE001 - the zygote reads the exit status
+            run(control_read, output_write)
+        except BaseException:  # noqa: BLE001 - the parent reads the exit status
             code = 1
         finally:
             os._exit(code)
     os.close(control_read)
     os.close(output_write)
+    return pid, control_write, output_read
+
+
+def _fork_template(key: bytes, main_path: str | None, closing: list[Any]) -> _Template:
+    pid, control_write, output_read = _fork_child(
+        closing, lambda control, output: _template_main(key, control, output, main_path))
     return _Template(key, pid, control_write, os.fdopen(output_read, "rb", buffering=0))
 
 
@@ -1211,23 +1219,8 @@ class _ReadyChild:
 
 def _fork_ready(prepared: _PreparedTrial | None, request: TrialRequest,
                 closing: list[Any]) -> _ReadyChild:
-    control_read, control_write = os.pipe()
-    result_read, result_write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the trial child
-        code = 0
-        try:
-            for stream in closing:
-                stream.close()
-            os.close(control_write)
-            os.close(result_read)
-            _trial_main(prepared, request, control_read, result_write)
-        except BaseException:  # noqa: BLE001 - the parent reads the exit status
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(control_read)
-    os.close(result_write)
+    pid, control_write, result_read = _fork_child(
+        closing, lambda control, result: _trial_main(prepared, request, control, result))
     return _ReadyChild(pid, control_write, result_read)
 
 
