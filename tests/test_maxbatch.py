@@ -125,46 +125,117 @@ def _tag_with_pid(batch_size):
     return (batch_size, os.getpid())
 
 
-def test_parallel_traces_run_the_second_batch_in_a_forked_child(monkeypatch):
+#: Run in a fresh interpreter: it needs a process that has not run a backward pass yet.
+_POOL_CHECK = """
+import json, os, torch
+from batchfit import tracepool
+
+def backward_then_tag(batch_size):
+    x = torch.ones(3, requires_grad=True)
+    (x * batch_size).sum().backward()
+    return (batch_size, os.getpid(), x.grad.tolist())
+
+tracepool._can_fork = lambda: True
+tracepool._idle_cores = lambda: 2.0
+with tracepool.TracePool(backward_then_tag) as pool:
+    first = pool.map([16, 32, 48])
+    second = pool.map([553, 554])  # after this process ran backward passes
+print(json.dumps({"me": os.getpid(), "first": first, "second": second}))
+"""
+
+
+def test_trace_pool_serves_every_pair_from_one_worker_forked_before_any_backward():
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _POOL_CHECK], capture_output=True,
+                          text=True, check=True, timeout=300)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    me, first, second = out["me"], out["first"], out["second"]
+    assert first["16"] == [16, me, [16.0] * 3] and first["48"] == [48, me, [48.0] * 3]
+    worker = first["32"][1]
+    assert worker != me and first["32"] == [32, worker, [32.0] * 3]  # from the worker
+    assert second["553"][1] == me and second["554"] == [554, worker, [554.0] * 3]  # same
+
+
+def test_trace_pool_runs_in_sequence_after_a_backward_in_this_process(monkeypatch):
     import os
 
-    from batchfit import maxbatch
+    import torch
 
-    monkeypatch.setattr(maxbatch, "_can_fork", lambda: True)
-    traced = maxbatch.trace_in_parallel(_tag_with_pid, [16, 32, 48])
-    assert traced[16] == (16, os.getpid())
-    assert traced[32][0] == 32 and traced[32][1] != os.getpid()  # came back from the child
-    assert traced[48] == (48, os.getpid())  # an odd one out runs here
-    sequential = maxbatch.trace_in_parallel(_tag_with_pid, [16, 32], allowed=False)
-    assert sequential == {16: (16, os.getpid()), 32: (32, os.getpid())}
+    from batchfit import tracepool
+
+    torch.ones(2, requires_grad=True).sum().backward()  # a fork now cannot run backward
+    monkeypatch.setattr(tracepool, "_can_fork", lambda: True)
+    monkeypatch.setattr(tracepool, "_idle_cores", lambda: 2.0)
+    traced = []
+    with tracepool.TracePool(lambda b: traced.append(b) or (b, os.getpid())) as pool:
+        assert pool.map([16, 32]) == {16: (16, os.getpid()), 32: (32, os.getpid())}
+    assert traced == [16, 32]  # each traced once, here: the worker declined at once
+    with tracepool.TracePool(_tag_with_pid, allowed=False) as pool:
+        assert pool.map([16, 32]) == {16: (16, os.getpid()), 32: (32, os.getpid())}
 
 
-def test_parallel_traces_fall_back_when_the_child_fails(monkeypatch):
+def test_trace_pool_falls_back_when_the_worker_fails(monkeypatch):
     import os
 
-    from batchfit import maxbatch
+    from batchfit import tracepool
 
     parent = os.getpid()
 
-    def fails_in_child(batch_size):
+    def fails_in_worker(batch_size):
         if os.getpid() != parent:
-            raise RuntimeError("child trouble")
+            raise RuntimeError("worker trouble")
         return batch_size * 10
 
-    monkeypatch.setattr(maxbatch, "_can_fork", lambda: True)
-    assert maxbatch.trace_in_parallel(fails_in_child, [1, 2]) == {1: 10, 2: 20}
+    monkeypatch.setattr(tracepool, "_can_fork", lambda: True)
+    monkeypatch.setattr(tracepool, "_idle_cores", lambda: 2.0)
+    with tracepool.TracePool(fails_in_worker) as pool:
+        assert pool.map([1, 2]) == {1: 10, 2: 20}
+        assert pool._worker is None  # stopped: later pairs run here
+        assert pool.map([3, 4]) == {3: 30, 4: 40}
+
+
+#: ``max_batch_size`` with the trace pool forced on, in a fresh interpreter (no backward yet).
+_PARALLEL_MAX = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from batchfit import tracepool
+from batchfit.device import DeviceProfile
+from batchfit.maxbatch import max_batch_size
+from test_maxbatch import cnn
+
+tracepool._can_fork = lambda: True
+tracepool._idle_cores = lambda: 2.0
+forks, stops = [], []
+fork, stop = tracepool._Worker.fork, tracepool.TracePool._stop_worker
+tracepool._Worker.fork = classmethod(lambda cls, trace: forks.append(1) or fork(trace))
+tracepool.TracePool._stop_worker = lambda self: stops.append(1) or stop(self)
+result = max_batch_size(cnn, (3, 64, 64), device=DeviceProfile.cuda(1 << 30, (7, 5)))
+print(json.dumps({"answer": result.max_batch_size, "evaluated": result.evaluated,
+                  "forks": len(forks), "stops": len(stops)}))
+"""
 
 
 def test_parallel_and_sequential_traces_give_the_same_answer(monkeypatch):
-    from batchfit import maxbatch
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    t4 = DeviceProfile.cuda(1 << 30, (7, 5), name="small T4")
-    monkeypatch.setattr(maxbatch, "_can_fork", lambda: True)  # fork even on a busy machine
-    parallel = max_batch_size(cnn, (3, 64, 64), device=t4)
-    monkeypatch.setattr(maxbatch, "_can_fork", lambda: False)
-    sequential = max_batch_size(cnn, (3, 64, 64), device=t4)
-    assert parallel.max_batch_size == sequential.max_batch_size
-    assert parallel.evaluated == sequential.evaluated
+    from batchfit import tracepool
+
+    done = subprocess.run([sys.executable, "-c", _PARALLEL_MAX, str(Path(__file__).parent)],
+                          capture_output=True, text=True, check=True, timeout=300)
+    parallel = json.loads(done.stdout.strip().splitlines()[-1])
+    # one worker, forked before the first backward, traced one of each pair (the second
+    # pair follows that process's backward passes on fake CUDA tensors): none failed
+    assert parallel["forks"] == 1 and parallel["stops"] == 0
+    monkeypatch.setattr(tracepool, "_can_fork", lambda: False)
+    sequential = max_batch_size(cnn, (3, 64, 64), device=DeviceProfile.cuda(1 << 30, (7, 5)))
+    assert parallel["answer"] == sequential.max_batch_size and sequential.traces == 4
+    assert [tuple(e) for e in parallel["evaluated"]] == list(sequential.evaluated)
 
 
 class WindowAttention(nn.Module):

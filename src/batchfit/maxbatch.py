@@ -31,6 +31,7 @@ from batchfit.errors import InvalidInputError
 from batchfit.predict import MemoryEstimate, estimate, summarize
 from batchfit.timeline import needed_bytes
 from batchfit.trace import Event, StepTrace, TraceReuse, trace_step
+from batchfit.tracepool import TracePool
 from batchfit.solve import NothingFits, solve_max_batch, solve_max_seq_len
 from batchfit.spec import TensorSpec, TrainConfig, make_config
 
@@ -173,14 +174,15 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
     def trace(batch_size: int) -> StepTrace:
         return trace_step(model, inputs, batch_size, config, profile, reuse)
 
+    pool = TracePool(trace, allowed=profile.is_cuda)
+
     def prefetch(*batch_sizes: int) -> None:
         """Trace the batch sizes not traced yet, two at a time where the machine allows."""
         todo = [b for b in dict.fromkeys(batch_sizes) if b not in estimates]
         for batch_size in todo:
             if on_trace is not None:
                 on_trace(batch_size)
-        for batch_size, traced in trace_in_parallel(trace, todo,
-                                                    allowed=profile.is_cuda).items():
+        for batch_size, traced in pool.map(todo).items():
             traces[batch_size] = traced
             estimates[batch_size] = summarize(traced, profile, first_step=False)
 
@@ -188,10 +190,12 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         prefetch(batch_size)
         return _allocator_bytes(estimates[batch_size])
 
-    answer = _answer_from_interpolation(peak, prefetch, traces, profile, budget,
-                                        max_batch_limit)
-    if answer is None:
-        answer = solve_max_batch(peak, budget, max_batch_limit=max_batch_limit).max_batch_size
+    with pool:
+        answer = _answer_from_interpolation(peak, prefetch, traces, profile, budget,
+                                            max_batch_limit)
+        if answer is None:
+            answer = solve_max_batch(peak, budget,
+                                     max_batch_limit=max_batch_limit).max_batch_size
     capped = answer == max_batch_limit
     constraint = Constraint.LIMIT if capped else Constraint.MEMORY
     note = f"capped at max_batch_limit={max_batch_limit}; more may fit" if capped else ""
@@ -284,123 +288,6 @@ def _interpolator(first: Sequence[Event], second: Sequence[Event], at_first: int
                 for e, slope in zip(first, slopes)]
 
     return events_at
-
-
-def trace_in_parallel(trace: Callable[[int], StepTrace], batch_sizes: Sequence[int], *,
-                      allowed: bool = True) -> dict[int, StepTrace]:
-    """``{b: trace(b)}``, with the second trace in a forked child when two cores are free.
-
-    Fake traces are pure CPU work that does not depend on each other, and the fork
-    shares the model already built on meta. The child only traces and sends the
-    pickled result back; if anything goes wrong there (an error, or no answer within
-    a generous timeout), the parent traces that batch itself, so the answer never
-    depends on the fork. Off (sequential) when not ``allowed`` (CPU targets, whose
-    traces run the profiler for kernel scratch, and kineto hangs in a forked child),
-    on one core, on systems without ``fork``, once CUDA is initialised (a forked
-    child cannot use it), when no core is idle right now, and with
-    ``BATCHFIT_PARALLEL_TRACES=0``.
-    """
-    if len(batch_sizes) < 2 or not allowed or not _can_fork():
-        return {b: trace(b) for b in batch_sizes}
-    import os
-    import pickle
-    import time
-
-    first, second, *rest = batch_sizes
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: trace, send, exit without running the parent's cleanup
-        os.close(read_fd)
-        try:
-            import torch
-
-            torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork
-            payload = pickle.dumps(trace(second), protocol=pickle.HIGHEST_PROTOCOL)
-        except BaseException:  # noqa: BLE001 - the parent re-traces and reports errors itself
-            payload = b""
-        with os.fdopen(write_fd, "wb") as pipe:
-            pipe.write(payload)
-        os._exit(0)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as pipe:
-        try:
-            start = time.perf_counter()
-            result = {first: trace(first)}
-            payload = _read_within(pipe, timeout_s=30 + 3 * (time.perf_counter() - start))
-        finally:
-            _reap(pid)
-    result[second] = pickle.loads(payload) if payload else trace(second)
-    result.update(trace_in_parallel(trace, rest))
-    return result
-
-
-def _read_within(pipe: Any, timeout_s: float) -> bytes:
-    """All of ``pipe`` until EOF, or b"" if it goes quiet for ``timeout_s``."""
-    import os
-    import select
-
-    chunks = []
-    while True:
-        ready, _, _ = select.select([pipe], [], [], timeout_s)
-        if not ready:
-            return b""
-        chunk = os.read(pipe.fileno(), 1 << 20)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-
-
-def _can_fork() -> bool:
-    import os
-
-    if not hasattr(os, "fork") or os.environ.get("BATCHFIT_PARALLEL_TRACES") == "0":
-        return False
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # A second core that other work keeps busy makes the pair slower than in sequence
-    # (measured for ResNet-50's `max`: 24.5 s vs 20.0 s with one core taken; 9.3-10.1 s
-    # vs 10.9-11.5 s on a quiet machine), so fork only when a core is idle right now.
-    if (cores or 1) < 2 or _idle_cores() < 1.5:  # this process and the child: two cores
-        return False
-    import torch
-
-    return not torch.cuda.is_initialized()
-
-
-def _idle_cores(window_s: float = 0.05) -> float:
-    """Cores' worth of idle CPU over the next ``window_s`` (/proc/stat); on systems
-    without it, assume two. The load average lags by a minute, so it is not used."""
-    import time
-
-    def sample() -> tuple[int, int] | None:
-        try:
-            with open("/proc/stat") as stat:
-                fields = [int(v) for v in stat.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)
-
-    first = sample()
-    time.sleep(window_s)
-    second = sample()
-    if first is None or second is None or second[0] <= first[0]:
-        return 2.0
-    import os
-
-    return (second[1] - first[1]) / (second[0] - first[0]) * (os.cpu_count() or 1)
-
-
-def _reap(pid: int) -> None:
-    """Wait for the child (killing it first if the parent's own trace failed)."""
-    import os
-    import signal
-
-    finished, _ = os.waitpid(pid, os.WNOHANG)
-    if finished == 0:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
 
 
 def _tensor_elements(est: MemoryEstimate) -> int:
