@@ -31,7 +31,7 @@ import signal
 import struct
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 _LENGTH = struct.Struct("<Q")
 _BATCH = struct.Struct("<q")
@@ -98,7 +98,7 @@ class TracePool:
             self._worker.close(kill=False)
             self._worker = None
 
-    def __enter__(self) -> TracePool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
