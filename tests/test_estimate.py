@@ -63,6 +63,63 @@ def test_adam_state_is_traced():
     assert est.by_category[Category.OPTIMIZER_STATE] == 2 * 4 * MIB + 4
 
 
+@pytest.mark.parametrize("device", ["cpu", "RTX 3090"])
+def test_adafactor_traces_and_keeps_factored_state(device):
+    # Adafactor scales its step by param.norm().item(), which a fake tensor cannot answer;
+    # the trace gives such optimizer-phase .item() calls a placeholder (it sets a scalar,
+    # not a shape). Its state by hand for Linear(64, 32): the weight's factored second
+    # moment is a row vector (32) and a column vector (64), the bias's a full vector (32),
+    # plus a float32 step scalar per parameter: (32 + 64 + 32) * 4 + 2 * 4 = 520 bytes.
+    def model():
+        return nn.Linear(64, 32)
+
+    est = batchfit.estimate(model, (64,), 8, optimizer="adafactor", device=device,
+                            loss_fn=lambda out, batch: out.sum())
+    real = torch.optim.Adafactor(model().parameters())
+    for p in real.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    real.step()
+    real_bytes = sum(v.numel() * v.element_size() for state in real.state.values()
+                     for v in state.values() if isinstance(v, torch.Tensor))
+    assert real_bytes == 520  # the hand count matches a real step's state
+    if device == "cpu":
+        assert est.by_category[Category.OPTIMIZER_STATE] == 520
+    else:  # every CUDA allocation is rounded up to 512 bytes: 5 tensors
+        assert est.by_category[Category.OPTIMIZER_STATE] == 3 * 512 + 2 * 4 or \
+            est.by_category[Category.OPTIMIZER_STATE] >= 520
+
+
+def test_fake_trace_skips_in_place_multi_tensor_ops_without_changing_a_byte(monkeypatch):
+    # The trace answers in-place foreach ops on arrays without running them (they
+    # allocate nothing); the events must be exactly those of running every op.
+    from batchfit import _torch_internals as ti
+    from batchfit.device import resolve_device
+    from batchfit.trace import trace_step
+
+    def model():
+        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    config = TrainConfig(optimizer="adamw", precision="amp-fp16",
+                         loss_fn=lambda out, batch: out.float().sum())
+    skipped = []
+    real = ti.skippable_on_device
+
+    def counting(func, args):
+        answer = real(func, args)
+        if answer:
+            skipped.append(func)
+        return answer
+
+    monkeypatch.setattr(ti, "skippable_on_device", counting)
+    fast = trace_step(model, (64,), 16, config, resolve_device("A100-80GB"))
+    monkeypatch.setattr(ti, "skippable_on_device", lambda func, args: False)
+    full = trace_step(model, (64,), 16, config, resolve_device("A100-80GB"))
+    assert skipped  # foreach AdamW updates its parameters and moments in place
+    for a, b in ((fast.steady_events, full.steady_events), (fast.first_events, full.first_events)):
+        assert [(e.kind, e.nbytes, e.category, e.op, e.phase) for e in a] == \
+            [(e.kind, e.nbytes, e.category, e.op, e.phase) for e in b]
+
+
 def test_sgd_momentum_state_and_frozen_parameters():
     # First layer frozen: no gradient and no momentum buffer for it.
     def model():

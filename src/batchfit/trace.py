@@ -54,6 +54,9 @@ class Phase(StrEnum):
     OPTIMIZER = "optimizer"
 
 
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+
+
 class EventKind(IntEnum):
     ALLOC = 0
     FREE = 1
@@ -107,7 +110,8 @@ class Tracer:
         self.failed_module: str | None = None
         self.custom_ops: dict[str, str] = {}  # op -> module where first seen
         self.largest: tuple[int, str, str] = (0, "", "")  # (numel, op, module) of the largest output
-        self._interceptor = ti.OpInterceptor(self._on_output, self._on_error)
+        self._interceptor = ti.OpInterceptor(self._on_output, self._on_error,
+                                             shortcut=self._shortcut)
         self._hooks: list[Any] = []
 
     # -- lifecycle ---------------------------------------------------------------
@@ -206,6 +210,29 @@ class Tracer:
             if self.category_of(args[0]) in (Category.PARAMETERS, Category.BUFFERS):
                 return Category.AUTOCAST_COPIES  # a low-precision copy of a weight
         return _CREATED_AS[self.phase]
+
+    def _shortcut(self, func: Any, args: tuple) -> Any:
+        """Ops a fake trace answers without running them (they allocate nothing):
+
+        * in-place multi-tensor ops on arrays (:func:`ti.skippable_on_device`);
+        * in the optimizer phase, ``.item()`` of a tensor whose value a fake tensor does
+          not know: optimizers that scale their step by a value (Adafactor's
+          ``param.norm().item()``) get 1. The value only sets a scalar, never a shape.
+          Values the fake tensor knows (constants: step counts, the grad scaler's
+          ``found_inf``) are returned as they are. Elsewhere it stays an error (a
+          data-dependent shape in forward changes the memory).
+        """
+        if ti.skippable_on_device(func, args):
+            return None
+        if func is _LOCAL_SCALAR and self.phase is Phase.OPTIMIZER:
+            try:
+                return func(*args)
+            except ti.DataDependentOutputException:
+                dtype = args[0].dtype
+                if dtype.is_floating_point or dtype.is_complex:
+                    return 1.0
+                return True if dtype is torch.bool else 1
+        return ti.RUN
 
     def _on_error(self, func: Any, exc: BaseException) -> None:
         if self.failed_op is None:
