@@ -84,9 +84,10 @@ def test_adafactor_traces_and_keeps_factored_state(device):
     assert real_bytes == 520  # the hand count matches a real step's state
     if device == "cpu":
         assert est.by_category[Category.OPTIMIZER_STATE] == 520
-    else:  # every CUDA allocation is rounded up to 512 bytes: 5 tensors
-        assert est.by_category[Category.OPTIMIZER_STATE] == 3 * 512 + 2 * 4 or \
-            est.by_category[Category.OPTIMIZER_STATE] >= 520
+    else:  # CUDA rounds each of the 3 state arrays up to a 512-byte block; the 2 step
+        # scalars are host tensors in a real run, which batchfit counts as device blocks
+        # (a known over-count of 512 B per parameter, as for Adam's step)
+        assert 3 * 512 <= est.by_category[Category.OPTIMIZER_STATE] <= 5 * 512
 
 
 def test_fake_trace_skips_in_place_multi_tensor_ops_without_changing_a_byte(monkeypatch):
