@@ -89,6 +89,7 @@ import torch
 from torch import nn
 
 from batchfit import _torch_internals as ti
+from batchfit._fork import fork_child
 from batchfit.errors import InvalidInputError, ModelSpecError, TrialError
 from batchfit.spec import InputSpec, Mode, TrainConfig, make_config
 from batchfit.step import StepRunner, make_batch, normalize_input_spec, torch_dtype
@@ -1078,31 +1079,8 @@ class _Template:
         self.output.close()
 
 
-def _fork_child(closing: list[Any], run: Callable[[int, int], None]) -> tuple[int, int, int]:
-    """Fork a child that closes ``closing``, runs ``run(control_fd, output_fd)`` and exits
-    with 0 (1 if it raised); return ``(pid, control write fd, output read fd)``."""
-    control_read, control_write = os.pipe()
-    output_read, output_write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            for stream in closing:
-                stream.close()
-            os.close(control_write)
-            os.close(output_read)
-            run(control_read, output_write)
-        except BaseException:  # noqa: BLE001 - the parent reads the exit status
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(control_read)
-    os.close(output_write)
-    return pid, control_write, output_read
-
-
 def _fork_template(key: bytes, main_path: str | None, closing: list[Any]) -> _Template:
-    pid, control_write, output_read = _fork_child(
+    pid, control_write, output_read = fork_child(
         closing, lambda control, output: _template_main(key, control, output, main_path))
     return _Template(key, pid, control_write, os.fdopen(output_read, "rb", buffering=0))
 
@@ -1219,7 +1197,7 @@ class _ReadyChild:
 
 def _fork_ready(prepared: _PreparedTrial | None, request: TrialRequest,
                 closing: list[Any]) -> _ReadyChild:
-    pid, control_write, result_read = _fork_child(
+    pid, control_write, result_read = fork_child(
         closing, lambda control, result: _trial_main(prepared, request, control, result))
     return _ReadyChild(pid, control_write, result_read)
 

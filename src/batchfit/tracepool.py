@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
+from batchfit._fork import fork_child
+
 _LENGTH = struct.Struct("<Q")
 _BATCH = struct.Struct("<q")
 
@@ -113,21 +115,11 @@ class _Worker:
 
     @classmethod
     def fork(cls, trace: Callable[[int], Any]) -> _Worker:
-        request_read, request_write = os.pipe()
-        reply_read, reply_write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the worker: serve until the parent closes the pipe, then exit at once
-            os.close(request_write)
-            os.close(reply_read)
-            status = 0
-            try:
-                _serve(trace, request_read, reply_write)
-            except BaseException:  # noqa: BLE001 - the parent notices the silence and re-traces
-                status = 1
-            os._exit(status)  # without the parent's atexit handlers and buffers
-        os.close(request_read)
-        os.close(reply_write)
-        return cls(pid, request_write, reply_read)
+        """The worker serves until this process closes the request pipe (its failures
+        show here as silence, and this process re-traces)."""
+        pid, requests, replies = fork_child([], lambda request, reply:
+                                            _serve(trace, request, reply))
+        return cls(pid, requests, replies)
 
     def ready(self, timeout_s: float = 30.0) -> bool:
         """Whether the worker can run a backward pass (it cannot when this process had
