@@ -6,7 +6,7 @@ each test checks one scenario's results. Every expected answer is derived by han
 
 * a model that raises ``torch.OutOfMemoryError`` above a per-rank batch size (rank 0 at
   9, rank 1 at 5): the agreed answer is 5, and rank 0 fits the batches 6..9 on its own;
-* ``Broadcast`` (12 MiB per sample, see ``test_search.py``) under a 100 MiB cap on rank 0
+* ``Broadcast`` (12 MiB per sample, see ``capped_models.py``) under a 100 MiB cap on rank 0
   (8 samples) and a 64 MiB cap on rank 1 (5 samples, 60 MiB; 6 would need 72 MiB): 5;
 * the same models wrapped in ``DistributedDataParallel``, searched in fresh capped
   processes (the wrapped module is what is sent) and in process (the way CUDA searches):
@@ -34,6 +34,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from capped_models import Broadcast
+
 MIB = 1 << 20
 WORLD_SIZE = 2
 #: Per-rank batch size above which ``RaisesAbove`` runs out of memory.
@@ -57,19 +59,6 @@ class RaisesAbove(nn.Module):
         if x.shape[0] > self.limit:
             raise torch.OutOfMemoryError(f"fake: batch {x.shape[0]} > {self.limit}")
         return self.linear(x)
-
-
-class Broadcast(nn.Module):
-    """Each sample becomes ``2**20`` float32 values (4 MiB) scaled by one parameter: a
-    training step holds 12 MiB per sample at its peak (derivation in ``test_search.py``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        big = x.unsqueeze(-1).expand(-1, 1, 2**20).contiguous()
-        return self.scale * big
 
 
 class BadOnRankOne(nn.Module):
