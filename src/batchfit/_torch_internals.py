@@ -129,13 +129,14 @@ def _in_place_multi_tensor(func: Any) -> bool:
     return name.startswith(_IN_PLACE_MULTI_TENSOR) and name.endswith("_")
 
 
-def skippable_on_device(func: Any, args: tuple) -> bool:
+def skippable_in_fake_trace(func: Any, args: tuple) -> bool:
     """An in-place multi-tensor op with no result (``_foreach_add_``, ``_fused_adamw_``)
     whose tensors are all arrays.
 
     It allocates no tensor, so a fake trace loses nothing by not running it; under fake
-    tensors each costs one fake dispatch per tensor in its lists (161 for ResNet-50),
-    about half of tracing a foreach optimizer step. Ops that touch a scalar (0-d) tensor
+    tensors each costs one fake dispatch per tensor in its lists (161 for ResNet-50;
+    a full ResNet-50 amp-fp16 AdamW trace took 1.22 s instead of 1.43 s, median of 4).
+    Ops that touch a scalar (0-d) tensor
     still run: a fake scalar can keep its value, and later code reads it (Adam's step
     counts, whose bias correction divides by ``1 - beta ** step``; the grad scaler's
     ``found_inf``, which decides whether the optimizer steps at all). The ops that return

@@ -214,7 +214,7 @@ class Tracer:
     def _shortcut(self, func: Any, args: tuple) -> Any:
         """Ops a fake trace answers without running them (they allocate nothing):
 
-        * in-place multi-tensor ops on arrays (:func:`ti.skippable_on_device`);
+        * in-place multi-tensor ops on arrays (:func:`ti.skippable_in_fake_trace`);
         * in the optimizer phase, ``.item()`` of a tensor whose value a fake tensor does
           not know: optimizers that scale their step by a value (Adafactor's
           ``param.norm().item()``) get 1. The value only sets a scalar, never a shape.
@@ -222,7 +222,7 @@ class Tracer:
           ``found_inf``) are returned as they are. Elsewhere it stays an error (a
           data-dependent shape in forward changes the memory).
         """
-        if ti.skippable_on_device(func, args):
+        if ti.skippable_in_fake_trace(func, args):
             return None
         if func is _LOCAL_SCALAR and self.phase is Phase.OPTIMIZER:
             try:
