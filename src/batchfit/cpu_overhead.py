@@ -105,6 +105,6 @@ def measure_cpu_overhead(model: Any, inputs: Any = None, config: TrainConfig | N
         raise probe.TrialError(f"could not measure the CPU overhead: batch {batch_size} did not run "
                          f"({trial.error})")
     live_growth = trial.peak_bytes - (trial.baseline_bytes or 0)
-    return CpuOverhead(overhead_bytes=max(0, trial.used_bytes - live_growth),
+    return CpuOverhead(overhead_bytes=trial.overhead_bytes(),
                        batch_size=batch_size, data_growth_bytes=trial.used_bytes,
                        live_growth_bytes=live_growth, seconds=time.perf_counter() - start)

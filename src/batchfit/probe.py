@@ -125,6 +125,15 @@ class Trial:
     limit_bytes: int | None = None
     baseline_bytes: int | None = None
 
+    def overhead_bytes(self, usage_is_growth: bool = True) -> int | None:
+        """Memory held beyond live tensors at the peak: ``used_bytes`` less the live peak.
+        CPU usage is the growth over the trial's start (``usage_is_growth``); CUDA usage
+        (reserved) is absolute. None when either was not measured."""
+        if self.used_bytes is None or self.peak_bytes is None:
+            return None
+        live = self.peak_bytes - ((self.baseline_bytes or 0) if usage_is_growth else 0)
+        return max(0, self.used_bytes - live)
+
     def to_dict(self) -> dict[str, Any]:
         return {"batch_size": self.batch_size, "fits": self.fits, "peak_bytes": self.peak_bytes,
                 "seconds": round(self.seconds, 4), "error": self.error,

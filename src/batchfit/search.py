@@ -710,7 +710,7 @@ class _Search:
         """``(fits, room left under the limit, live peak, allocator overhead)``."""
         slack = (None if trial.used_bytes is None or self.limit_bytes is None
                  else self.limit_bytes - trial.used_bytes)
-        return trial.fits, slack, trial.peak_bytes, _overhead(trial, self.usage_is_growth)
+        return trial.fits, slack, trial.peak_bytes, trial.overhead_bytes(self.usage_is_growth)
 
     def run(self, prediction: _Prediction, options: _RunOptions,
             agreement: Any = None) -> SearchResult:
@@ -757,8 +757,8 @@ class _Search:
         answer = log.lower
         if answer == 0:
             self._nothing_fits(trials, agreed_trials, needed)
-        overhead = (_overhead(next(t for t in reversed(trials)
-                                   if t.fits and t.batch_size == answer), self.usage_is_growth)
+        overhead = (next(t for t in reversed(trials) if t.fits and t.batch_size == answer
+                         ).overhead_bytes(self.usage_is_growth)
                     if agreement is None else
                     next(a for a in reversed(agreed_trials) if a.fits and a.batch_size == answer
                          ).overhead_bytes)
@@ -787,15 +787,6 @@ class _Search:
             + (f" with a cap of {self.cap_bytes} B" if self.cap_bytes and own.error else "")
             + (f": {own.error}" if own.error else ""), needed_bytes=needed or 0,
             available_bytes=self.cap_bytes or self.limit_bytes or 0)
-
-
-def _overhead(trial: Trial, usage_is_growth: bool) -> int | None:
-    """Memory the allocator held beyond live tensors at the trial's peak: CPU usage is
-    the growth over the warmed-up state, CUDA usage (reserved) is absolute."""
-    if trial.used_bytes is None or trial.peak_bytes is None:
-        return None
-    live = trial.peak_bytes - ((trial.baseline_bytes or 0) if usage_is_growth else 0)
-    return max(0, trial.used_bytes - live)
 
 
 class _CpuSearch(_Search):
