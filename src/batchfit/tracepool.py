@@ -49,7 +49,6 @@ class TracePool:
         self._trace = trace
         self._allowed = allowed
         self._worker: _Worker | None = None
-        self._broken = False  # the worker failed once: trace everything here
 
     def map(self, batch_sizes: Sequence[int]) -> dict[int, Any]:
         todo = list(batch_sizes)
@@ -61,7 +60,7 @@ class TracePool:
         return result
 
     def _parallel(self) -> bool:
-        if not self._allowed or self._broken:
+        if not self._allowed:
             return False
         if self._worker is not None:  # forked already: only the machine's load can say no
             return _idle_cores() >= 1.5
@@ -88,16 +87,17 @@ class TracePool:
         return {first: mine, second: traced if traced is not None else self._trace(second)}
 
     def _stop_worker(self) -> None:
-        self._broken = True
-        if self._worker is not None:
-            self._worker.close(kill=True)
-            self._worker = None
+        """The worker failed: stop it; every later trace runs here."""
+        self._release(kill=True)
 
     def close(self) -> None:
         """Let the worker exit; later traces run here (a fork now would follow a backward)."""
+        self._release(kill=False)
+
+    def _release(self, *, kill: bool) -> None:
         self._allowed = False
         if self._worker is not None:
-            self._worker.close(kill=False)
+            self._worker.close(kill=kill)
             self._worker = None
 
     def __enter__(self) -> Self:
