@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Callable, Sequence
 
+from batchfit._gc import old_objects_frozen
 from batchfit.device import DeviceProfile, resolve_device
 from batchfit.errors import InvalidInputError
 from batchfit.predict import MemoryEstimate, estimate, summarize
@@ -145,6 +146,7 @@ def _allocator_bytes(est: MemoryEstimate) -> int:
     return est.peak_allocated_bytes
 
 
+@old_objects_frozen()
 def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *,
                    device: DeviceProfile | str | None = None, memory_bytes: int | None = None,
                    margin: float = 0.0, max_batch_limit: int = DEFAULT_MAX_BATCH_LIMIT,
@@ -316,6 +318,7 @@ def _limit_safe_batch(answer: int, estimates: dict[int, MemoryEstimate],
             return guess
 
 
+@old_objects_frozen()
 def max_seq_len(model: Any, inputs: Any, batch_size: int, config: TrainConfig | None = None, *,
                 device: DeviceProfile | str | None = None, memory_bytes: int | None = None,
                 margin: float = 0.0, max_len: int = 131072, multiple_of: int = 1,

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from batchfit import _torch_internals as ti
+from batchfit._gc import old_objects_frozen
 from batchfit.kernels import scratch_for, size_fix_for
 
 
@@ -365,6 +366,7 @@ def _meta_model(model: Any, reuse: TraceReuse | None) -> Any:
     return reuse.meta_model
 
 
+@old_objects_frozen()
 def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: Any,
                reuse: TraceReuse | None = None) -> StepTrace:
     """Trace one step of ``model`` at ``batch_size`` on fake tensors.
