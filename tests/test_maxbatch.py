@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import batchfit
 from batchfit.device import DeviceProfile
 from batchfit.errors import DoesNotFitError
-from batchfit.maxbatch import Constraint, max_batch_size, max_seq_len
+from batchfit.maxbatch import Constraint, _largest_fitting, max_batch_size, max_seq_len
 
 MIB = 1 << 20
 
@@ -262,3 +266,54 @@ def test_grid_dimension_limit_binds_before_memory():
     assert result.max_batch_size == 65535 // 64 == 1023
     assert "65,536" in result.note and "<root>" in result.note
     assert result.to_dict()["binding_constraint"] == "grid_dim"
+
+
+@settings(max_examples=300, deadline=None)
+@given(answer=st.integers(32, 5000), guess=st.integers(-100, 10_000), limit=st.integers(32, 6000))
+def test_largest_fitting_finds_the_last_fitting_batch_from_any_guess(answer, guess, limit):
+    # fits(b) is "b <= answer": the search must return min(answer, limit), whatever the
+    # guess, and a guess k samples off costs about 2*log2(k) + 2 calls, not a full bisection.
+    calls = []
+
+    def fits(b):
+        assert 32 <= b <= limit, b   # never outside [low, high]
+        calls.append(b)
+        return b <= answer
+
+    found = _largest_fitting(fits, 32, limit, guess)
+    assert found == min(answer, limit)
+    off = abs(min(max(guess, 33), limit) - found) + 1
+    assert len(calls) <= 2 * math.log2(off) + 3
+
+
+def test_largest_fitting_with_a_close_guess_takes_few_calls():
+    # The answer is 553; a guess of 552 brackets it in 552 (fits), 553 (fits), 555 (fails)
+    # and one bisection step at 554: four calls.
+    calls = []
+    assert _largest_fitting(lambda b: calls.append(b) or b <= 553, 32, 65536, 552) == 553
+    assert calls == [552, 553, 555, 554]
+
+
+def test_interpolated_answer_needs_no_more_than_four_traces():
+    # 16 and 32 to fit the line, then B* and B*+1 to confirm it. A wrong interpolated
+    # answer fails its confirmation and falls back to the solver, which costs more traces.
+    t4 = DeviceProfile.cuda(1 << 30, (7, 5), name="small T4")
+    result = max_batch_size(cnn, (3, 64, 64), device=t4, precision="amp-fp16")
+    assert result.traces == 4
+    assert sorted(b for b, _ in result.evaluated)[:2] == [16, 32]
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_one_replay_answers_what_the_least_capacity_search_answers(cuda):
+    # fits_within is the solver's yes/no question in one replay; needed_bytes finds the
+    # least capacity by bisection over ~10 replays. They must agree on each side of it.
+    from batchfit.spec import make_config
+    from batchfit.timeline import fits_within, needed_bytes
+    from batchfit.trace import trace_step
+
+    device = DeviceProfile.cuda(1 << 30, (7, 5)) if cuda else DeviceProfile.cpu()
+    events = trace_step(cnn, (3, 64, 64), 24, make_config(None, {}), device).steady_events
+    needed = needed_bytes(events, device)
+    step = 2 * MIB if cuda else 1
+    for limit in (needed - step, needed - 1, needed, needed + 1, needed + step):
+        assert fits_within(events, device, limit) is (needed <= limit), limit

@@ -17,6 +17,7 @@ from batchfit.device import DeviceProfile
 from batchfit.trace import Category, Event, EventKind, Phase, alive_at_end
 
 _WORKSPACE_KEY = -1
+_SEGMENT_UNIT = 2 * 1024 * 1024  # every segment is a multiple of this
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,22 @@ def needed_bytes(events: Sequence[Event], device: DeviceProfile) -> int:
     return _smallest_capacity(events, device.workspace_bytes, max(allocated), max(reserved))
 
 
+def fits_within(events: Sequence[Event], device: DeviceProfile, limit_bytes: int) -> bool:
+    """``needed_bytes(events, device) <= limit_bytes``, from one replay instead of the
+    ~10 that finding the least capacity takes (a solver's yes/no question)."""
+    if not events:
+        return limit_bytes >= 0
+    if not device.is_cuda:
+        return peak_live_bytes(events) <= limit_bytes
+    capacity = limit_bytes // _SEGMENT_UNIT * _SEGMENT_UNIT
+    return capacity > 0 and _fits(events, device.workspace_bytes, capacity)
+
+
+def peak_live_bytes(events: Sequence[Event]) -> int:
+    """The most bytes live at once (no allocator: the sizes as requested)."""
+    return max(_replay_cpu(events), default=0)
+
+
 def _replay_cpu(events: Sequence[Event]) -> list[int]:
     total = 0
     sizes: dict[int, int] = {}
@@ -149,7 +166,7 @@ def _replay_cuda(events: Sequence[Event], workspace_bytes: int, capacity: int | 
 
 def _smallest_capacity(events: Sequence[Event], workspace_bytes: int, low: int, high: int) -> int:
     """The least capacity (a multiple of 2 MiB, like every segment) the replay fits in."""
-    unit = 2 * 1024 * 1024
+    unit = _SEGMENT_UNIT
     lo, hi = -(-low // unit) - 1, high // unit  # lo fails (or is below allocated), hi fits
     while hi - lo > 1:
         mid = (lo + hi) // 2
