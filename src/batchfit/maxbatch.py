@@ -331,8 +331,8 @@ def _interpolator(first: Sequence[Event], second: Sequence[Event], at_first: int
 
     def events_at(batch_size: int) -> list[Event]:
         delta = batch_size - at_first
-        return [replace(e, nbytes=max(0, round(e.nbytes + slope * delta)))
-                for e, slope in zip(first, slopes)]
+        return [Event(e.kind, e.key, max(0, round(e.nbytes + slope * delta)), e.category,
+                      e.module, e.op, e.phase) for e, slope in zip(first, slopes)]
 
     return events_at
 
