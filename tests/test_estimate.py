@@ -121,6 +121,74 @@ def test_fake_trace_skips_in_place_multi_tensor_ops_without_changing_a_byte(monk
             [(e.kind, e.nbytes, e.category, e.op, e.phase) for e in b]
 
 
+class _OptimizerPhaseModel(nn.Module):
+    """Conv + BN + Linear, a frozen layer and a parameter that gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Conv2d(3, 8, 3, padding=1)
+        self.frozen.requires_grad_(False)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 10)
+        self.unused = nn.Parameter(torch.zeros(7))
+
+    def forward(self, x):
+        x = self.bn(self.conv(self.frozen(x))).relu().mean((2, 3))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("device", ["cpu", "A100-80GB"])
+@pytest.mark.parametrize("precision", ["fp32", "amp-fp16", "bf16", "amp-bf16"])
+def test_optimizer_phase_on_meta_twins_matches_the_fake_twin_event_for_event(
+        monkeypatch, device, precision):
+    # The optimizer phase runs on meta copies of the trained parameters and gradients
+    # (it depends on nothing else); every optimizer must give the very events that
+    # running it on the fake twin gives, on both steps, channels-last strides included.
+    from batchfit import trace as trace_module
+    from batchfit.device import resolve_device
+
+    profile = resolve_device(device)
+    on_meta = trace_module._trace_optimizer_on_meta
+    used_meta = []
+
+    def spy(*args):
+        result = on_meta(*args)
+        used_meta.append(result is not None)
+        return result
+
+    def events(trace):
+        return [[(e.kind, e.nbytes, e.category, e.op, e.phase, e.module) for e in events]
+                for events in (trace.first_events, trace.steady_events)]
+
+    for optimizer in ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad", "rmsprop",
+                      "adafactor"):
+        config = TrainConfig(optimizer=optimizer, precision=precision, channels_last=True)
+        monkeypatch.setattr(trace_module, "_trace_optimizer_on_meta", spy)
+        fast = trace_module.trace_step(_OptimizerPhaseModel, (3, 12, 12), 4, config, profile)
+        monkeypatch.setattr(trace_module, "_trace_optimizer_on_meta", lambda *args: None)
+        fake = trace_module.trace_step(_OptimizerPhaseModel, (3, 12, 12), 4, config, profile)
+        assert events(fast) == events(fake), optimizer
+        assert fast.largest_tensor == fake.largest_tensor
+    assert used_meta == [True] * 8
+
+
+def test_an_optimizer_that_cannot_run_on_meta_is_traced_on_the_fake_twin():
+    # fused=True asks for a real device type, which meta is not: the phase falls back to
+    # the fake twin (CPU fake tensors) and still counts Adam's two moments:
+    # 2 * (10 * 64 + 10) * 4 bytes, plus a float32 step scalar for each of the 2 parameters.
+    from batchfit.trace import Tracer, _trace_optimizer_on_meta
+
+    config = TrainConfig(optimizer="adam", optimizer_kwargs={"fused": True},
+                         loss_fn=lambda out, batch: out.sum())
+    est = batchfit.estimate(lambda: nn.Linear(64, 10), (64,), 4, config)
+    assert est.by_category[Category.OPTIMIZER_STATE] == 2 * (10 * 64 + 10) * 4 + 2 * 4
+    param = nn.Parameter(torch.zeros(3, device="meta"))
+    param.grad = torch.zeros(3, device="meta")
+    assert _trace_optimizer_on_meta([param], config, batchfit.DeviceProfile.cpu(), None,
+                                    Tracer()) is None
+
+
 def test_sgd_momentum_state_and_frozen_parameters():
     # First layer frozen: no gradient and no momentum buffer for it.
     def model():

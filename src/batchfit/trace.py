@@ -17,6 +17,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 from dataclasses import dataclass, replace
@@ -226,13 +227,15 @@ class Tracer:
         if ti.skippable_in_fake_trace(func, args):
             return None
         if func is _LOCAL_SCALAR and self.phase is Phase.OPTIMIZER:
-            try:
-                return func(*args)
-            except ti.DataDependentOutputException:
-                dtype = args[0].dtype
-                if dtype.is_floating_point or dtype.is_complex:
-                    return 1.0
-                return True if dtype is torch.bool else 1
+            if not args[0].is_meta:
+                try:
+                    return func(*args)
+                except ti.DataDependentOutputException:
+                    pass
+            dtype = args[0].dtype
+            if dtype.is_floating_point or dtype.is_complex:
+                return 1.0
+            return True if dtype is torch.bool else 1
         return ti.RUN
 
     def _on_error(self, func: Any, exc: BaseException) -> None:
@@ -379,8 +382,6 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         device: a :class:`batchfit.device.DeviceProfile`.
         reuse: share work between traces of the same model at other batch sizes.
     """
-    import contextlib
-
     from batchfit.errors import BatchfitError, InvalidInputError
     from batchfit.fake import enable_checkpointing, fake_copy
     from batchfit.spec import Mode
@@ -448,11 +449,17 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                 elif training:
                     runner.forward_backward()
                     marks.append(len(tracer.events))
-                    if reuse is None or reuse.optimizer_first is None:
-                        _trace_optimizer(runner, tracer, marks)
                 else:
                     runner.infer_step()
                 end = len(tracer.events)
+            optimizer_events = None
+            if training and config.grads_to_none and (reuse is None or reuse.optimizer_first is None):
+                optimizer_events = _trace_optimizer_on_meta(params, config, device, emulation,
+                                                            tracer)
+                if optimizer_events is None:  # it cannot run on meta tensors: on the fake twin
+                    with fake_mode, emulation_ctx, tracer:
+                        _trace_optimizer(runner, tracer, marks)
+                        end = len(tracer.events)
         except BatchfitError:
             raise
         except Exception as exc:  # noqa: BLE001 - translated into one clear line
@@ -468,6 +475,10 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         fwd_bwd_end = marks[0]
         if reuse is not None and reuse.optimizer_first is not None:
             opt_first, opt_steady = reuse.optimizer_first, reuse.optimizer_steady
+        elif optimizer_events is not None:
+            opt_first, opt_steady = optimizer_events
+            if reuse is not None:
+                reuse.optimizer_first, reuse.optimizer_steady = opt_first, opt_steady
         else:
             opt_first = tuple(events[fwd_bwd_end:marks[1]])
             opt_steady = tuple(events[marks[1]:end])
@@ -496,6 +507,73 @@ def _trace_optimizer(runner: Any, tracer: Tracer, marks: list[int]) -> None:
                 tracer.retag(value, Category.OPTIMIZER_STATE)
     marks.append(len(tracer.events))
     runner.optimizer_step()
+
+
+def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: Any,
+                             emulation: Any, tracer: Tracer
+                             ) -> tuple[tuple[Event, ...], tuple[Event, ...]] | None:
+    """The optimizer phase of :func:`_trace_optimizer`, run on meta twins of the trained
+    parameters and their gradients instead of on the fake ones.
+
+    The phase depends only on the parameters' and gradients' shapes, dtypes and strides
+    (never on the batch), and a meta tensor carries exactly those. A meta op goes straight
+    to its meta kernel, where a fake op first builds, hashes and looks up a cache key: for
+    ResNet-18 the phase took 0.01-0.09 s instead of 0.3-0.6 s, and its events are the same
+    (kind, bytes, category, op) for all 8 optimizers in 4 precisions, on CPU and CUDA
+    targets (tests/test_estimate.py checks this). Adam's step counts are real CPU scalars
+    here, as in a real step. The tracer's largest tensor and custom ops are merged in.
+
+    Returns (first step, steady step), or None when the optimizer cannot run on meta
+    tensors (``fused=True`` asks for a real device; a custom optimizer may read values;
+    sparse gradients): the caller then traces the phase on the fake twin.
+    """
+    from torch import nn
+
+    from batchfit.step import StepRunner
+
+    trained = [p for p in params if p.requires_grad]
+    if any(p.grad is not None and p.grad.layout is not torch.strided for p in trained):
+        return None
+    twins = []
+    for p in trained:
+        twin = nn.Parameter(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype,
+                                                device="meta"))
+        if p.grad is not None:
+            g = p.grad
+            twin.grad = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device="meta")
+        twins.append(twin)
+    meta_tracer = Tracer(in_op_scratch=tracer.in_op_scratch)
+    try:
+        runner = StepRunner(nn.ParameterList(twins), config, ((), {}),
+                            foreach=bool(device.is_cuda),
+                            on_phase=lambda name: setattr(meta_tracer, "phase", Phase(name)))
+    except Exception:  # noqa: BLE001 - the fake twin's trace reports it
+        return None
+    for twin in twins:
+        meta_tracer.register(twin, Category.PARAMETERS)
+        if twin.grad is not None:
+            meta_tracer.register(twin.grad, Category.GRADIENTS)
+    if runner.scaler is not None:
+        meta_tracer.register(runner.scaler.scale, Category.OPTIMIZER_STATE)
+        meta_tracer.register(runner.scaler.growth_tracker, Category.OPTIMIZER_STATE)
+    start = len(meta_tracer.events)
+    marks = [start]
+    if emulation is not None:
+        where, emulation.where = emulation.where, meta_tracer.current_module
+    try:
+        with emulation if emulation is not None else contextlib.nullcontext(), meta_tracer:
+            _trace_optimizer(runner, meta_tracer, marks)
+    except Exception:  # noqa: BLE001 - see above
+        return None
+    finally:
+        if emulation is not None:
+            emulation.where = where
+    if meta_tracer.largest[0] > tracer.largest[0]:
+        tracer.largest = meta_tracer.largest
+    for op, module in meta_tracer.custom_ops.items():
+        tracer.custom_ops.setdefault(op, module)
+    events = meta_tracer.events
+    return tuple(events[start:marks[1]]), tuple(events[marks[1]:])
 
 
 def _as_setup(events: tuple[Event, ...]) -> tuple[Event, ...]:
