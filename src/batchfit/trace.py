@@ -221,8 +221,10 @@ class Tracer:
           not know: optimizers that scale their step by a value (Adafactor's
           ``param.norm().item()``) get 1. The value only sets a scalar, never a shape.
           Values the fake tensor knows (constants: step counts, the grad scaler's
-          ``found_inf``) are returned as they are. Elsewhere it stays an error (a
-          data-dependent shape in forward changes the memory).
+          ``found_inf``) are returned as they are; a meta tensor (the optimizer phase
+          runs on meta twins, :func:`_trace_optimizer_on_meta`) has no value and gets 1
+          at once. Elsewhere it stays an error (a data-dependent shape in forward
+          changes the memory).
         """
         if ti.skippable_in_fake_trace(func, args):
             return None
@@ -517,10 +519,11 @@ def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: An
 
     The phase depends only on the parameters' and gradients' shapes, dtypes and strides
     (never on the batch), and a meta tensor carries exactly those. A meta op goes straight
-    to its meta kernel, where a fake op first builds, hashes and looks up a cache key: for
-    ResNet-18 the phase took 0.01-0.09 s instead of 0.3-0.6 s, and its events are the same
-    (kind, bytes, category, op) for all 8 optimizers in 4 precisions, on CPU and CUDA
-    targets (tests/test_estimate.py checks this). Adam's step counts are real CPU scalars
+    to its meta kernel, where a fake op first builds, hashes and looks up a cache key. With
+    amp-fp16 AdamW on an RTX 3090 profile the phase took 0.15 s instead of 0.52 s for
+    ResNet-50 and 0.05 s instead of 0.18 s for ResNet-18 (medians of 4), and its events
+    are the same (kind, bytes, category, op, phase, module) for all 8 optimizers in 4
+    precisions, on CPU and CUDA targets (tests/test_estimate.py checks this). Adam's step counts are real CPU scalars
     here, as in a real step. The tracer's largest tensor and custom ops are merged in.
 
     Returns (first step, steady step), or None when the optimizer cannot run on meta
