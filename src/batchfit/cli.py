@@ -489,8 +489,9 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    # The cyclic collector would walk every object torch and the model library import,
-    # several times over (0.6 s of a 12 s `max`); _setup() freezes them once they exist.
+    # The cyclic collector would walk the objects torch and the model library create
+    # while they import, again and again (0.64 s in 6 walks of a 12 s `max`); _setup()
+    # freezes them once they exist and turns it back on (batchfit/_gc.py).
     gc.disable()
     try:
         app()
