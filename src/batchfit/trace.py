@@ -431,9 +431,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                                 foreach=True if device.is_cuda else False,
                                 on_phase=lambda name: setattr(tracer, "phase", Phase(name)),
                                 generator=generator)
-        if runner.scaler is not None:
-            tracer.register(runner.scaler.scale, Category.OPTIMIZER_STATE)
-            tracer.register(runner.scaler.growth_tracker, Category.OPTIMIZER_STATE)
+        _register_scaler(tracer, runner)
         grad_hooks = [p.register_post_accumulate_grad_hook(
             lambda q: tracer.retag(q.grad, Category.GRADIENTS)) for p in params if p.requires_grad]
         tracer.watch_module(twin)
@@ -500,6 +498,13 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         largest_grid=emulation.largest_grid if emulation is not None else (0, "", ""))
 
 
+def _register_scaler(tracer: Tracer, runner: Any) -> None:
+    """The grad scaler's scale and growth tracker exist before the step (amp-fp16)."""
+    if runner.scaler is not None:
+        tracer.register(runner.scaler.scale, Category.OPTIMIZER_STATE)
+        tracer.register(runner.scaler.growth_tracker, Category.OPTIMIZER_STATE)
+
+
 def _trace_optimizer(runner: Any, tracer: Tracer, marks: list[int]) -> None:
     """The first optimizer step (creates the state), then a steady one."""
     runner.optimizer_step()
@@ -556,9 +561,7 @@ def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: An
         meta_tracer.register(twin, Category.PARAMETERS)
         if twin.grad is not None:
             meta_tracer.register(twin.grad, Category.GRADIENTS)
-    if runner.scaler is not None:
-        meta_tracer.register(runner.scaler.scale, Category.OPTIMIZER_STATE)
-        meta_tracer.register(runner.scaler.growth_tracker, Category.OPTIMIZER_STATE)
+    _register_scaler(meta_tracer, runner)
     start = len(meta_tracer.events)
     marks = [start]
     if emulation is not None:
