@@ -88,6 +88,9 @@ _CREATED_AS = {
 }
 _TO_COPY = torch.ops.aten._to_copy.default
 _UIDS = itertools.count()  # storage ids, unique across traces so traces can be spliced
+#: Decomposed ops of traces for a CUDA target run on meta twins, with recipes shared by
+#: every trace of the process (None: every op runs on the fake tensors).
+META_TWINS: ti.MetaTwins | None = ti.MetaTwins()
 _CUSTOM_NAMESPACES_OK = {"aten", "prims", "_c10d_functional", "c10d_functional"}
 
 
@@ -96,12 +99,14 @@ class Tracer:
 
     Use :meth:`register` for storages that exist before the step, set
     :attr:`phase` as the step goes, and :meth:`watch_module` to attribute memory to
-    submodules.
+    submodules. ``in_op_scratch``: add kernels' scratch (CPU targets).
+    ``cuda_target``: run decomposed ops on meta twins, as CUDA runs them
+    (:class:`ti.MetaTwins`).
     """
 
-    def __init__(self, in_op_scratch: bool = False) -> None:
+    def __init__(self, in_op_scratch: bool = False, cuda_target: bool = False) -> None:
         self.events: list[Event] = []
-        self.in_op_scratch = in_op_scratch  # CPU targets: add kernels' scratch (kernels.py)
+        self.in_op_scratch = in_op_scratch  # kernels.py
         self.phase = Phase.SETUP
         # storage address -> [nbytes, category, module, weakref, uid]; addresses are reused
         # after a free, so events carry a unique id instead
@@ -113,7 +118,8 @@ class Tracer:
         self.custom_ops: dict[str, str] = {}  # op -> module where first seen
         self.largest: tuple[int, str, str] = (0, "", "")  # (numel, op, module) of the largest output
         self._interceptor = ti.OpInterceptor(self._on_output, self._on_error,
-                                             shortcut=self._shortcut)
+                                             shortcut=self._shortcut,
+                                             run=META_TWINS if cuda_target else None)
         self._hooks: list[Any] = []
 
     # -- lifecycle ---------------------------------------------------------------
@@ -401,7 +407,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                          channels_last=config.channels_last)
         if config.checkpointing and training:
             enable_checkpointing(twin)
-        tracer = Tracer(in_op_scratch=not device.is_cuda)
+        tracer = Tracer(in_op_scratch=not device.is_cuda, cuda_target=device.is_cuda)
         params = list(twin.parameters())
         for p in params:
             tracer.register(p, Category.PARAMETERS)
