@@ -177,6 +177,8 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         return trace_step(model, inputs, batch_size, config, profile, reuse)
 
     pool = TracePool(trace, allowed=profile.is_cuda)
+    if profile.is_cuda:  # CUDA targets trace two at a time: build once, before the fork
+        reuse.build_model(model)
 
     def prefetch(*batch_sizes: int) -> None:
         """Trace the batch sizes not traced yet, two at a time where the machine allows."""
