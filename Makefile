@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e '.[dev]' $(TORCH_PIN)
+	$(PY) -m compileall -q src  # as a wheel install does (an editable one does not)
 	touch $@
 
 demo: setup

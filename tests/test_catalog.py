@@ -240,6 +240,23 @@ def test_to_dict_is_json_ready():
     assert find_gpu("MI300X").to_dict()["compute_capability"] is None
 
 
+def test_gpus_and_estimates_on_them_pickle():
+    """A trace worker sends its summary (which holds the device) back by pickle."""
+    import pickle
+
+    from torch import nn
+
+    import batchfit
+
+    gpu = find_gpu("A100")
+    back = pickle.loads(pickle.dumps(gpu))
+    assert back == gpu and back.peak_flops["bf16"] == 312e12
+    with pytest.raises(TypeError):
+        back.peak_flops["bf16"] = 0.0  # still read-only
+    est = batchfit.estimate(nn.Linear(8, 8), (8,), 4, device="A100")
+    assert pickle.loads(pickle.dumps(est)) == est
+
+
 def test_gpus_are_immutable_and_hashable():
     gpu = find_gpu("A100")
     with pytest.raises(TypeError):

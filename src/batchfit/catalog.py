@@ -55,7 +55,7 @@ import io
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from types import MappingProxyType
 from typing import Any
@@ -101,6 +101,12 @@ class GPU:
     aliases: tuple[str, ...]
     source: str
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickle (a trace worker sends estimates back): the read-only rates as a dict."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["peak_flops"] = dict(self.peak_flops)
+        return _gpu_from_fields, (values,)
+
     def to_dict(self) -> dict[str, Any]:
         """The card as plain JSON-ready data (compute capability as "8.0")."""
         cc = self.compute_capability
@@ -117,6 +123,10 @@ class GPU:
             "aliases": list(self.aliases),
             "source": self.source,
         }
+
+
+def _gpu_from_fields(values: dict[str, Any]) -> GPU:
+    return GPU(**{**values, "peak_flops": MappingProxyType(values["peak_flops"])})
 
 
 @functools.cache

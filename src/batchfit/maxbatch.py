@@ -173,8 +173,10 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
     traces: dict[int, StepTrace] = {}
     reuse = TraceReuse()
 
-    def trace(batch_size: int) -> StepTrace:
-        return trace_step(model, inputs, batch_size, config, profile, reuse)
+    def trace(batch_size: int) -> tuple[StepTrace, MemoryEstimate]:
+        """The trace and its summary (a worker summarises its own, in parallel)."""
+        traced = trace_step(model, inputs, batch_size, config, profile, reuse)
+        return traced, summarize(traced, profile, first_step=False)
 
     pool = TracePool(trace, allowed=profile.is_cuda)
     if profile.is_cuda:  # CUDA targets trace two at a time: build once, before the fork
@@ -186,9 +188,9 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         for batch_size in todo:
             if on_trace is not None:
                 on_trace(batch_size)
-        for batch_size, traced in pool.map(todo).items():
+        for batch_size, (traced, summary) in pool.map(todo).items():
             traces[batch_size] = traced
-            estimates[batch_size] = summarize(traced, profile, first_step=False)
+            estimates[batch_size] = summary
 
     def peak(batch_size: int) -> int:
         prefetch(batch_size)
