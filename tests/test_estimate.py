@@ -10,6 +10,7 @@ from torch import nn
 
 import batchfit
 from batchfit import Category, TensorSpec, TrainConfig
+from batchfit.trace import EventKind, Phase, Tracer
 from batchfit.errors import (
     InputShapeError,
     InvalidInputError,
@@ -145,9 +146,12 @@ def test_optimizer_phase_on_meta_twins_matches_the_fake_twin_event_for_event(
     # The optimizer phase runs on meta copies of the trained parameters and gradients
     # (it depends on nothing else); every optimizer must give the very events that
     # running it on the fake twin gives, on both steps, channels-last strides included.
+    # (On a CUDA target the meta path also drops host tensors, which the fake twin cannot
+    # tell apart; that is switched off here and checked in the next test.)
     from batchfit import trace as trace_module
     from batchfit.device import resolve_device
 
+    monkeypatch.setattr(trace_module, "Tracer", _AllDevicesTracer)
     profile = resolve_device(device)
     on_meta = trace_module._trace_optimizer_on_meta
     used_meta = []
@@ -171,6 +175,59 @@ def test_optimizer_phase_on_meta_twins_matches_the_fake_twin_event_for_event(
         assert events(fast) == events(fake), optimizer
         assert fast.largest_tensor == fake.largest_tensor
     assert used_meta == [True] * 8
+
+
+class _AllDevicesTracer(Tracer):
+    """A tracer that records host tensors too (as the fake twin's trace does)."""
+
+    def __init__(self, *args, device_type=None, **kwargs):
+        super().__init__(*args, **kwargs)
+
+
+#: Step counts an optimizer keeps for _OptimizerPhaseModel, by hand: one per trained
+#: parameter that gets a gradient (conv, bn weight and bias, head weight and bias: 5);
+#: Adagrad makes its state for every trainable parameter when built (the unused one too).
+_STEP_COUNTS = {"sgd": 0, "momentum": 0, "nesterov": 0, "adam": 5, "adamw": 5, "adagrad": 6,
+                "rmsprop": 5, "adafactor": 5}
+
+
+@pytest.mark.parametrize("optimizer", sorted(_STEP_COUNTS))
+def test_step_counts_are_host_memory_on_a_gpu(monkeypatch, optimizer):
+    # Unless capturable or fused, torch's optimizers keep their step counts in CPU
+    # tensors (torch.tensor(0.0)) even on a GPU, and foreach Adam adds a CPU
+    # torch.tensor(1.0) each step: host memory, not in a CUDA target's prediction. The
+    # events dropped are exactly those float32 scalars; nothing else changes.
+    from collections import Counter
+
+    from batchfit import trace as trace_module
+    from batchfit.device import resolve_device
+
+    config = TrainConfig(optimizer=optimizer, precision="amp-fp16")
+    profile = resolve_device("A100-80GB")
+    gpu = trace_module.trace_step(_OptimizerPhaseModel, (3, 12, 12), 4, config, profile)
+    monkeypatch.setattr(trace_module, "Tracer", _AllDevicesTracer)
+    every = trace_module.trace_step(_OptimizerPhaseModel, (3, 12, 12), 4, config, profile)
+
+    def events(trace):
+        return Counter((e.kind, e.nbytes, e.category, e.phase) for e in trace.steady_events)
+
+    dropped = events(every) - events(gpu)
+    assert events(gpu) - events(every) == Counter()
+    assert {nbytes for _, nbytes, _, _ in dropped} <= {4}
+    kept_state = Counter({key: n for key, n in dropped.items()
+                          if key[0] is EventKind.ALLOC and key[3] is Phase.SETUP})
+    assert sum(kept_state.values()) == _STEP_COUNTS[optimizer]
+
+
+def test_adam_state_by_hand_on_a_gpu_and_on_the_cpu():
+    # Linear(64, 10): exp_avg and exp_avg_sq of the weight (2,560 B) and the bias (40 B).
+    # On an A100 each is one allocator block (2,560 B, and 512 B for the bias) and the
+    # two step counts live on the host; on the CPU the bytes are exact, steps included.
+    config = TrainConfig(optimizer="adam", loss_fn=lambda out, batch: out.sum())
+    gpu = batchfit.estimate(lambda: nn.Linear(64, 10), (64,), 4, config, device="A100-80GB")
+    cpu = batchfit.estimate(lambda: nn.Linear(64, 10), (64,), 4, config)
+    assert gpu.by_category[Category.OPTIMIZER_STATE] == 2 * (2560 + 512)
+    assert cpu.by_category[Category.OPTIMIZER_STATE] == 2 * (10 * 64 + 10) * 4 + 2 * 4
 
 
 def test_an_optimizer_that_cannot_run_on_meta_is_traced_on_the_fake_twin():

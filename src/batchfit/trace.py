@@ -101,12 +101,16 @@ class Tracer:
     :attr:`phase` as the step goes, and :meth:`watch_module` to attribute memory to
     submodules. ``in_op_scratch``: add kernels' scratch (CPU targets).
     ``cuda_target``: run decomposed ops on meta twins, as CUDA runs them
-    (:class:`ti.MetaTwins`).
+    (:class:`ti.MetaTwins`). ``device_type``: record only tensors on this device type
+    (a CUDA target's optimizer phase on meta twins: a CPU tensor there is host memory,
+    as Adam's step counts are on a GPU).
     """
 
-    def __init__(self, in_op_scratch: bool = False, cuda_target: bool = False) -> None:
+    def __init__(self, in_op_scratch: bool = False, cuda_target: bool = False,
+                 device_type: str | None = None) -> None:
         self.events: list[Event] = []
         self.in_op_scratch = in_op_scratch  # kernels.py
+        self.device_type = device_type
         self.phase = Phase.SETUP
         # storage address -> [nbytes, category, module, weakref, uid]; addresses are reused
         # after a free, so events carry a unique id instead
@@ -151,7 +155,7 @@ class Tracer:
 
     def retag(self, tensor: torch.Tensor, category: Category) -> None:
         found = ti.storage_key(tensor)
-        if found is None:
+        if found is None or not self._on_device(tensor):
             return
         entry = self._live.get(found[0])
         if entry is None:
@@ -160,6 +164,9 @@ class Tracer:
             entry[1] = category
             self.events.append(Event(EventKind.RETAG, entry[4], entry[0], category,
                                      entry[2], "", self.phase))
+
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        return self.device_type is None or tensor.device.type == self.device_type
 
     def category_of(self, tensor: torch.Tensor) -> Category | None:
         found = ti.storage_key(tensor)
@@ -189,7 +196,7 @@ class Tracer:
         real_sizes = fix(args, {}) if fix is not None else {}
         for index, tensor in enumerate(ti.iter_tensors(out)):
             found = ti.storage_key(tensor)
-            if found is None or found[0] in self._live:
+            if found is None or found[0] in self._live or not self._on_device(tensor):
                 continue
             if op is None:
                 op = str(func)
@@ -540,8 +547,10 @@ def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: An
     amp-fp16 AdamW on an RTX 3090 profile the phase took 0.15 s instead of 0.52 s for
     ResNet-50 and 0.05 s instead of 0.18 s for ResNet-18 (medians of 4), and its events
     are the same (kind, bytes, category, op, phase, module) for all 8 optimizers in 4
-    precisions, on CPU and CUDA targets (tests/test_estimate.py checks this). Adam's step counts are real CPU scalars
-    here, as in a real step. The tracer's largest tensor and custom ops are merged in.
+    precisions, on CPU and CUDA targets (tests/test_estimate.py checks this), but one:
+    step counts are real CPU scalars here, as in a real step, so on a CUDA target they
+    are host memory and not counted, where the fake twin (all CPU) cannot tell them
+    from device tensors. The tracer's largest tensor and custom ops are merged in.
 
     Returns (first step, steady step), or None when the optimizer cannot run on meta
     tensors (``fused=True`` asks for a real device; a custom optimizer may read values;
@@ -562,7 +571,11 @@ def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: An
             g = p.grad
             twin.grad = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device="meta")
         twins.append(twin)
-    meta_tracer = Tracer(in_op_scratch=tracer.in_op_scratch)
+    # On a GPU, what an optimizer makes without a device (Adam's, Adagrad's, RMSprop's and
+    # Adafactor's step counts, unless capturable or fused) is host memory: here it is a
+    # real CPU tensor beside the meta ones, and not counted. On a CPU target it counts.
+    meta_tracer = Tracer(in_op_scratch=tracer.in_op_scratch,
+                         device_type="meta" if device.is_cuda else None)
     try:
         runner = StepRunner(nn.ParameterList(twins), config, ((), {}),
                             foreach=bool(device.is_cuda),
