@@ -303,6 +303,26 @@ def test_interpolated_answer_needs_no_more_than_four_traces():
     assert sorted(b for b, _ in result.evaluated)[:2] == [16, 32]
 
 
+@pytest.mark.parametrize("memory_mib, below", [(636, 16), (815, 32)])
+def test_answers_below_the_traced_sizes_are_interpolated_too(memory_mib, below):
+    # ~10 MiB per sample at 256x256: a card too small for batch 16 (or 32). The events
+    # interpolated from 16 and 32 find the answer below them, and B*, B*+1 confirm it as
+    # a pair: 4 traces. (The solver alone traced the probes, then one size at a time.)
+    gpu = DeviceProfile.cuda(memory_mib * MIB, (7, 5))
+    result = max_batch_size(cnn, (3, 256, 256), device=gpu, precision="amp-fp16")
+    assert 1 < result.max_batch_size < below
+    assert _boundary_holds(cnn, (3, 256, 256), result.budget_bytes, result.max_batch_size,
+                           gpu, precision="amp-fp16")
+    assert result.traces == 4
+
+
+def test_nothing_fits_a_card_smaller_than_batch_one():
+    gpu = DeviceProfile.cuda(540 * MIB, (7, 5))  # batch 1 needs 552 MiB in all
+    with pytest.raises(DoesNotFitError) as info:
+        max_batch_size(cnn, (3, 256, 256), device=gpu, precision="amp-fp16")
+    assert info.value.needed_bytes > info.value.available_bytes
+
+
 @pytest.mark.parametrize("cuda", [True, False])
 def test_one_replay_answers_what_the_least_capacity_search_answers(cuda):
     # fits_within is the solver's yes/no question in one replay; needed_bytes finds the

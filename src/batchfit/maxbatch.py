@@ -244,22 +244,38 @@ def _answer_from_interpolation(peak: Callable[[int], int], prefetch: Callable[..
 
     When the step's op sequence does not depend on the batch size, every event of a
     trace at B has a size affine in B, so two traces give the whole step at any B and
-    the allocator replay finds B* without tracing it. Returns None when the traces
-    differ in structure, the guess fails its confirmation, or the range is too small.
+    the allocator replay finds B* without tracing it, above the traced sizes or below
+    them (a large model whose B* is under 16; its confirming pair then runs as a pair,
+    not one trace after another). Returns None when the traces differ in structure,
+    the guess fails its confirmation, nothing may fit (the solver then traces B=1 and
+    says so), or the range is too small.
     """
     small, large = _FIT_BATCHES
     if limit <= large:
         return None
     prefetch(small, large)
-    if peak(small) > budget or peak(large) > budget:
-        return None
     events_at = _interpolator(traces[small].steady_events, traces[large].steady_events,
                               small, large)
     if events_at is None:
         return None
     limit_bytes = budget + device.workspace_bytes if device.is_cuda else budget
-    answer = _largest_fitting(lambda b: fits_within(events_at(b), device, limit_bytes),
-                              large, limit, _guess(events_at, peak(large), large, budget, limit))
+
+    def fits(batch_size: int) -> bool:
+        return fits_within(events_at(batch_size), device, limit_bytes)
+
+    if peak(large) <= budget:
+        if peak(small) > budget:  # more batch, less memory: not for interpolation
+            return None
+        answer = _largest_fitting(fits, large, limit,
+                                  _guess(events_at, peak(large), large, budget, limit))
+    elif peak(large) > peak(small):
+        low = small if peak(small) <= budget else 1
+        if low == 1 and not fits(1):
+            return None
+        line = small + (budget - peak(small)) * (large - small) // (peak(large) - peak(small))
+        answer = _largest_fitting(fits, low, large - 1, min(max(line, low), large - 1))
+    else:
+        return None
     prefetch(answer, min(answer + 1, limit))
     if peak(answer) > budget:
         return None
