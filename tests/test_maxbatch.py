@@ -242,6 +242,65 @@ def test_parallel_and_sequential_traces_give_the_same_answer(monkeypatch):
     assert [tuple(e) for e in parallel["evaluated"]] == list(sequential.evaluated)
 
 
+def tiny_gpt2():
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500,
+                                  n_positions=4096)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+#: ``max_seq_len`` on a CUDA profile with the trace pool forced on, in a fresh interpreter.
+_PARALLEL_SEQ = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from batchfit import TensorSpec, tracepool
+from batchfit.device import DeviceProfile
+from batchfit.maxbatch import max_seq_len
+from test_maxbatch import tiny_gpt2
+
+tracepool._can_fork = lambda: True
+tracepool._idle_cores = lambda: 2.0
+pairs, stops = [], []
+pair, stop = tracepool.TracePool._pair, tracepool.TracePool._stop_worker
+tracepool.TracePool._pair = lambda self, a, b: pairs.append((a, b)) or pair(self, a, b)
+tracepool.TracePool._stop_worker = lambda self: stops.append(1) or stop(self)
+spec = {"input_ids": TensorSpec((128,), "int64", high=500),
+        "labels": TensorSpec((128,), "int64", high=500)}
+gpu = DeviceProfile.cuda(int(sys.argv[2]), (8, 0))
+result = max_seq_len(tiny_gpt2, spec, 2, device=gpu, max_len=4096, multiple_of=64)
+print(json.dumps({"answer": result.max_seq_len, "capped": result.capped, "pairs": pairs,
+                  "stops": len(stops)}))
+"""
+
+
+@pytest.mark.parametrize("memory_mib", [700, 4096])
+def test_sequence_search_traces_its_first_lengths_in_pairs(memory_mib, monkeypatch):
+    # The solver's first lengths (64; its probes 1024 and 2048; and 4096, the cap) are
+    # traced two at a time; the answer is the one found one trace at a time.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from batchfit import TensorSpec, tracepool
+
+    pytest.importorskip("transformers")
+    done = subprocess.run([sys.executable, "-c", _PARALLEL_SEQ, str(Path(__file__).parent),
+                           str(memory_mib * MIB)], capture_output=True, text=True, check=True,
+                          timeout=300)
+    parallel = json.loads(done.stdout.strip().splitlines()[-1])
+    assert parallel["pairs"][:2] == [[64, 1024], [2048, 4096]] and parallel["stops"] == 0
+    monkeypatch.setattr(tracepool, "_can_fork", lambda: False)
+    spec = {"input_ids": TensorSpec((128,), "int64", high=500),
+            "labels": TensorSpec((128,), "int64", high=500)}
+    sequential = max_seq_len(tiny_gpt2, spec, 2, device=DeviceProfile.cuda(memory_mib * MIB,
+                                                                           (8, 0)),
+                             max_len=4096, multiple_of=64)
+    assert parallel["answer"] == sequential.max_seq_len
+    assert parallel["capped"] == sequential.capped == (memory_mib == 4096)
+
+
 class WindowAttention(nn.Module):
     """Swin-style attention over 64 windows of 4 tokens per sample: the fused kernels see
     a batch of 64 * B windows, so at B = 1024 a grid dimension reaches 65,536."""

@@ -398,21 +398,51 @@ def max_seq_len(model: Any, inputs: Any, batch_size: int, config: TrainConfig | 
     totals: dict[int, MemoryEstimate] = {}
     reuse = TraceReuse()
 
-    def peak(seq_len: int) -> int:
-        if on_trace is not None:
-            on_trace(seq_len)
-        est = estimate(model, with_seq_len(inputs, seq_len), batch_size, config, device=profile,
-                       reuse=reuse)
-        totals[seq_len] = est
-        return _allocator_bytes(est)
+    def trace(seq_len: int) -> MemoryEstimate:
+        return estimate(model, with_seq_len(inputs, seq_len), batch_size, config,
+                        device=profile, reuse=reuse)
 
-    solved = solve_max_seq_len(peak, budget, max_len=max_len, multiple_of=multiple_of)
+    pool = TracePool(trace, allowed=profile.is_cuda)
+    if profile.is_cuda:  # CUDA targets trace two at a time: build once, before the fork
+        reuse.build_model(model)
+
+    def prefetch(*lengths: int) -> None:
+        todo = [n for n in dict.fromkeys(lengths) if n not in totals]
+        for seq_len in todo:
+            if on_trace is not None:
+                on_trace(seq_len)
+        totals.update(pool.map(todo))
+
+    def peak(seq_len: int) -> int:
+        prefetch(seq_len)
+        return _allocator_bytes(totals[seq_len])
+
+    with pool:
+        if profile.is_cuda:
+            _prefetch_first_lengths(prefetch, max_len, multiple_of)
+        solved = solve_max_seq_len(peak, budget, max_len=max_len, multiple_of=multiple_of)
     at_next = solved.max_seq_len + multiple_of
     return MaxSeqLenResult(
         max_seq_len=solved.max_seq_len, batch_size=batch_size, budget_bytes=budget,
         total_bytes_at_max=totals[solved.max_seq_len].total_bytes,
         total_bytes_at_next=totals[at_next].total_bytes if at_next in totals else None,
         traces=len(totals), capped=solved.capped, device=profile)
+
+
+def _prefetch_first_lengths(prefetch: Callable[..., None], max_len: int,
+                            multiple_of: int) -> None:
+    """Trace, two at a time, the lengths :func:`solve_max_seq_len` evaluates first: the
+    shortest, its probes at a quarter and a half of ``max_len``, and ``max_len``
+    itself (which ends the search at once when it fits, as for GPT-2 at its 1,024
+    context). Speculative: a length that fails to trace here is traced again, and
+    reported, only if the solver asks for it."""
+    units = max_len // multiple_of
+    first = [u * multiple_of for u in (1, units // 4, units // 2, units) if u >= 1]
+    for pair in (first[:2], first[2:]):
+        try:
+            prefetch(*pair)
+        except Exception:  # noqa: BLE001 - the solver's own evaluation raises it if needed
+            continue
 
 
 def with_seq_len(inputs: Any, seq_len: int) -> Any:
