@@ -103,14 +103,10 @@ def test_int32_indexing_binds_before_memory():
 
 
 def test_longest_sequence():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from batchfit import TensorSpec
 
-    def gpt2():
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500,
-                                      n_positions=4096)
-        return transformers.GPT2LMHeadModel(cfg)
-
+    gpt2 = tiny_gpt2
     spec = {"input_ids": TensorSpec((128,), "int64", high=500),
             "labels": TensorSpec((128,), "int64", high=500)}
     result = max_seq_len(gpt2, spec, 2, device="cpu", memory_bytes=256 * MIB, max_len=4096,
@@ -201,38 +197,49 @@ def test_trace_pool_falls_back_when_the_worker_fails(monkeypatch):
         assert pool.map([3, 4]) == {3: 30, 4: 40}
 
 
-#: ``max_batch_size`` with the trace pool forced on, in a fresh interpreter (no backward yet).
-_PARALLEL_MAX = """
+#: The trace pool forced on, counting its forks, pairs and stopped workers, for a script
+#: run in a fresh interpreter (no backward yet) by :func:`_in_fresh_interpreter`.
+_FORCED_POOL = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from batchfit import tracepool
+from batchfit import TensorSpec, tracepool
 from batchfit.device import DeviceProfile
-from batchfit.maxbatch import max_batch_size
-from test_maxbatch import cnn
+from batchfit.maxbatch import max_batch_size, max_seq_len
+from test_maxbatch import cnn, tiny_gpt2
 
 tracepool._can_fork = lambda: True
 tracepool._idle_cores = lambda: 2.0
-forks, stops = [], []
-fork, stop = tracepool._Worker.fork, tracepool.TracePool._stop_worker
+forks, pairs, stops = [], [], []
+fork, pair = tracepool._Worker.fork, tracepool.TracePool._pair
+stop = tracepool.TracePool._stop_worker
 tracepool._Worker.fork = classmethod(lambda cls, trace: forks.append(1) or fork(trace))
+tracepool.TracePool._pair = lambda self, a, b: pairs.append((a, b)) or pair(self, a, b)
 tracepool.TracePool._stop_worker = lambda self: stops.append(1) or stop(self)
+"""
+
+_PARALLEL_MAX = _FORCED_POOL + """
 result = max_batch_size(cnn, (3, 64, 64), device=DeviceProfile.cuda(1 << 30, (7, 5)))
 print(json.dumps({"answer": result.max_batch_size, "evaluated": result.evaluated,
                   "forks": len(forks), "stops": len(stops)}))
 """
 
 
-def test_parallel_and_sequential_traces_give_the_same_answer(monkeypatch):
+def _in_fresh_interpreter(code: str, *arguments: str) -> dict:
+    """Run ``code`` (tests' folder first on its argv) and read the JSON it prints last."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), *arguments],
+                          capture_output=True, text=True, check=True, timeout=300)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_parallel_and_sequential_traces_give_the_same_answer(monkeypatch):
     from batchfit import tracepool
 
-    done = subprocess.run([sys.executable, "-c", _PARALLEL_MAX, str(Path(__file__).parent)],
-                          capture_output=True, text=True, check=True, timeout=300)
-    parallel = json.loads(done.stdout.strip().splitlines()[-1])
+    parallel = _in_fresh_interpreter(_PARALLEL_MAX)
     # one worker, forked before the first backward, traced one of each pair (the second
     # pair follows that process's backward passes on fake CUDA tensors): none failed
     assert parallel["forks"] == 1 and parallel["stops"] == 0
@@ -250,21 +257,8 @@ def tiny_gpt2():
     return transformers.GPT2LMHeadModel(cfg)
 
 
-#: ``max_seq_len`` on a CUDA profile with the trace pool forced on, in a fresh interpreter.
-_PARALLEL_SEQ = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-from batchfit import TensorSpec, tracepool
-from batchfit.device import DeviceProfile
-from batchfit.maxbatch import max_seq_len
-from test_maxbatch import tiny_gpt2
-
-tracepool._can_fork = lambda: True
-tracepool._idle_cores = lambda: 2.0
-pairs, stops = [], []
-pair, stop = tracepool.TracePool._pair, tracepool.TracePool._stop_worker
-tracepool.TracePool._pair = lambda self, a, b: pairs.append((a, b)) or pair(self, a, b)
-tracepool.TracePool._stop_worker = lambda self: stops.append(1) or stop(self)
+#: ``max_seq_len`` on a CUDA profile with the trace pool forced on.
+_PARALLEL_SEQ = _FORCED_POOL + """
 spec = {"input_ids": TensorSpec((128,), "int64", high=500),
         "labels": TensorSpec((128,), "int64", high=500)}
 gpu = DeviceProfile.cuda(int(sys.argv[2]), (8, 0))
@@ -278,18 +272,10 @@ print(json.dumps({"answer": result.max_seq_len, "capped": result.capped, "pairs"
 def test_sequence_search_traces_its_first_lengths_in_pairs(memory_mib, monkeypatch):
     # The solver's first lengths (64; its probes 1024 and 2048; and 4096, the cap) are
     # traced two at a time; the answer is the one found one trace at a time.
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from batchfit import TensorSpec, tracepool
 
     pytest.importorskip("transformers")
-    done = subprocess.run([sys.executable, "-c", _PARALLEL_SEQ, str(Path(__file__).parent),
-                           str(memory_mib * MIB)], capture_output=True, text=True, check=True,
-                          timeout=300)
-    parallel = json.loads(done.stdout.strip().splitlines()[-1])
+    parallel = _in_fresh_interpreter(_PARALLEL_SEQ, str(memory_mib * MIB))
     assert parallel["pairs"][:2] == [[64, 1024], [2048, 4096]] and parallel["stops"] == 0
     monkeypatch.setattr(tracepool, "_can_fork", lambda: False)
     spec = {"input_ids": TensorSpec((128,), "int64", high=500),

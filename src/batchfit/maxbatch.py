@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from batchfit._gc import old_objects_frozen
 from batchfit.device import DeviceProfile, resolve_device
@@ -183,12 +183,8 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         reuse.build_model(model)
 
     def prefetch(*batch_sizes: int) -> None:
-        """Trace the batch sizes not traced yet, two at a time where the machine allows."""
-        todo = [b for b in dict.fromkeys(batch_sizes) if b not in estimates]
-        for batch_size in todo:
-            if on_trace is not None:
-                on_trace(batch_size)
-        for batch_size, (traced, summary) in pool.map(todo).items():
+        for batch_size, (traced, summary) in _trace_new(pool, batch_sizes, estimates,
+                                                        on_trace).items():
             traces[batch_size] = traced
             estimates[batch_size] = summary
 
@@ -230,6 +226,16 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         estimate_at_max=at_max, estimate_at_next=at_next,
         evaluated=tuple((b, _allocator_bytes(e)) for b, e in estimates.items()),
         device=profile, note=note)
+
+
+def _trace_new(pool: TracePool, sizes: Sequence[int], done: Mapping[int, Any],
+               on_trace: Callable[[int], None] | None) -> dict[int, Any]:
+    """Trace the sizes not in ``done``, two at a time where the machine allows."""
+    todo = [n for n in dict.fromkeys(sizes) if n not in done]
+    for size in todo:
+        if on_trace is not None:
+            on_trace(size)
+    return pool.map(todo)
 
 
 #: Batch sizes traced to fit the per-event sizes (DESIGN.md: a line through B=16 and 32
@@ -407,11 +413,7 @@ def max_seq_len(model: Any, inputs: Any, batch_size: int, config: TrainConfig | 
         reuse.build_model(model)
 
     def prefetch(*lengths: int) -> None:
-        todo = [n for n in dict.fromkeys(lengths) if n not in totals]
-        for seq_len in todo:
-            if on_trace is not None:
-                on_trace(seq_len)
-        totals.update(pool.map(todo))
+        totals.update(_trace_new(pool, lengths, totals, on_trace))
 
     def peak(seq_len: int) -> int:
         prefetch(seq_len)
