@@ -178,9 +178,7 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         traced = trace_step(model, inputs, batch_size, config, profile, reuse)
         return traced, summarize(traced, profile, first_step=False)
 
-    pool = TracePool(trace, allowed=profile.is_cuda)
-    if profile.is_cuda:  # CUDA targets trace two at a time: build once, before the fork
-        reuse.build_model(model)
+    pool = _trace_pool(trace, model, profile, reuse)
 
     def prefetch(*batch_sizes: int) -> None:
         for batch_size, (traced, summary) in _trace_new(pool, batch_sizes, estimates,
@@ -226,6 +224,15 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         estimate_at_max=at_max, estimate_at_next=at_next,
         evaluated=tuple((b, _allocator_bytes(e)) for b, e in estimates.items()),
         device=profile, note=note)
+
+
+def _trace_pool(trace: Callable[[int], Any], model: Any, profile: DeviceProfile,
+                reuse: TraceReuse) -> TracePool:
+    """A pool that traces two at a time for CUDA targets; a factory's model is built on
+    meta first, so the worker forked later inherits it instead of building its own."""
+    if profile.is_cuda:
+        reuse.build_model(model)
+    return TracePool(trace, allowed=profile.is_cuda)
 
 
 def _trace_new(pool: TracePool, sizes: Sequence[int], done: Mapping[int, Any],
@@ -408,9 +415,7 @@ def max_seq_len(model: Any, inputs: Any, batch_size: int, config: TrainConfig | 
         return estimate(model, with_seq_len(inputs, seq_len), batch_size, config,
                         device=profile, reuse=reuse)
 
-    pool = TracePool(trace, allowed=profile.is_cuda)
-    if profile.is_cuda:  # CUDA targets trace two at a time: build once, before the fork
-        reuse.build_model(model)
+    pool = _trace_pool(trace, model, profile, reuse)
 
     def prefetch(*lengths: int) -> None:
         totals.update(_trace_new(pool, lengths, totals, on_trace))
