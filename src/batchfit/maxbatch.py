@@ -33,7 +33,8 @@ from batchfit.predict import MemoryEstimate, estimate, summarize
 from batchfit.timeline import fits_within, needed_bytes, peak_live_bytes
 from batchfit.trace import Event, StepTrace, TraceReuse, trace_step
 from batchfit.tracepool import TracePool
-from batchfit.solve import NothingFits, solve_max_batch, solve_max_seq_len
+from batchfit.solve import (NothingFits, default_seq_len_probes, solve_max_batch,
+                            solve_max_seq_len)
 from batchfit.spec import TensorSpec, TrainConfig, make_config
 
 #: The largest batch size the solver will report (tiny models fit absurd batches).
@@ -443,8 +444,9 @@ def _prefetch_first_lengths(prefetch: Callable[..., None], max_len: int,
     itself (which ends the search at once when it fits, as for GPT-2 at its 1,024
     context). Speculative: a length that fails to trace here is traced again, and
     reported, only if the solver asks for it."""
-    units = max_len // multiple_of
-    first = [u * multiple_of for u in (1, units // 4, units // 2, units) if u >= 1]
+    lengths = (multiple_of, *default_seq_len_probes(max_len, multiple_of),
+               max_len // multiple_of * multiple_of)
+    first = [n for n in lengths if n >= multiple_of]
     for pair in (first[:2], first[2:]):
         try:
             prefetch(*pair)

@@ -223,7 +223,7 @@ def solve_max_seq_len(peak_of_len: PeakFn, budget_bytes: int, *, max_len: int,
         raise InvalidInputError(
             f"min_len {min_len} is above max_len {max_len} (as multiples of {multiple_of})")
     if probe_lens is None:
-        probes: Sequence[int] = (upper // 4, upper // 2)
+        probes: Sequence[int] = _default_probe_units(upper)
     else:
         probes = [_check_int("probe_lens item", n, 1) // multiple_of for n in probe_lens]
     search = _solve(lambda units: peak_of_len(units * multiple_of), budget_bytes, lower, upper,
@@ -236,6 +236,16 @@ def solve_max_seq_len(peak_of_len: PeakFn, budget_bytes: int, *, max_len: int,
         capped=search.capped, monotone=search.monotone(),
         pieces=tuple(tuple(c / multiple_of**power for power, c in enumerate(piece))
                      for piece in search.first_pieces))
+
+
+def default_seq_len_probes(max_len: int, multiple_of: int = 1) -> tuple[int, int]:
+    """The lengths :func:`solve_max_seq_len` probes first when not given ``probe_lens``:
+    a quarter and a half of ``max_len``, as multiples of ``multiple_of``."""
+    return tuple(u * multiple_of for u in _default_probe_units(max_len // multiple_of))
+
+
+def _default_probe_units(upper: int) -> tuple[int, int]:
+    return (upper // 4, upper // 2)
 
 
 # --- The search state: an evaluation cache and the bracket it implies. -------------------------
