@@ -254,6 +254,11 @@ def _run_profiled(build: Callable[[], StepRunner], steps: int) -> list[_Window]:
         runner = build()
         seconds = _run_steps(runner, steps, lambda i: record_function(f"{_STEP_MARK}.{i}"))
         del runner
+    return _profiled_windows(prof, steps, seconds)
+
+
+def _profiled_windows(prof: Any, steps: int, seconds: list[float]) -> list[_Window]:
+    """Each marked step's baseline and peak from one profiler session's allocator events."""
     # prof.events() drops most "[memory]" events; the raw kineto results keep them all.
     events = list(prof.profiler.kineto_results.events())
     spans = _step_spans(events, steps)
@@ -271,6 +276,63 @@ def _run_profiled(build: Callable[[], StepRunner], steps: int) -> list[_Window]:
             index += 1
         windows.append(_Window(baseline, peak, wall))
     return windows
+
+
+def measure_keras_fit(build: Callable[[], Any], x: Any, y: Any, *, steps: int = 3
+                      ) -> MeasuredStep:
+    """The reference for a Keras model: its own ``model.fit`` on real CPU tensors, measured
+    by the profiler's allocator events, one step per epoch.
+
+    ``build()`` returns the compiled Keras model (built inside the profiler session, so
+    every byte live in a step is one the session saw allocated); ``x`` and ``y`` are one
+    batch (torch tensors, or a list/dict of them for several inputs), which ``fit`` gets
+    with ``batch_size`` = their length, ``shuffle=False`` and ``epochs=steps``. Each step
+    is the span between Keras's ``on_train_batch_begin`` and ``on_train_batch_end``
+    callbacks, so fit's own data handling before and after the step is outside it, as the
+    batch is outside a predicted step; the cyclic garbage collector runs just before each
+    step (fit's per-epoch data iterator leaves the previous batch in a reference cycle,
+    which would otherwise be alive in some runs' steps and not in others'). Steps 2..n are
+    the steady state (step 1 has no gradients from a previous step yet).
+
+    Example (with ``KERAS_BACKEND=torch``):
+        >>> import keras, torch
+        >>> def build():
+        ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        ...     return model
+        >>> run = measure_keras_fit(build, torch.randn(16, 8), torch.randn(16, 4))
+        >>> run.peak_bytes > run.baseline_bytes > 0
+        True
+    """
+    import keras
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    first = keras.tree.flatten(x)[0]
+    batch_size = int(first.shape[0])
+    seconds: list[float] = []
+
+    class _Marks(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            gc.collect()  # the last epoch's data iterator and batch are cyclic garbage
+            self.mark = record_function(f"{_STEP_MARK}.{len(seconds)}")
+            self.mark.__enter__()
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            seconds.append(time.perf_counter() - self.started)
+            self.mark.__exit__(None, None, None)
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = build()
+        model.fit(x, y, batch_size=batch_size, epochs=steps, shuffle=False, verbose=0,
+                  callbacks=[_Marks()])
+        del model
+    windows = _profiled_windows(prof, steps, seconds)
+    return MeasuredStep(peak_bytes=max(w.peak_bytes for w in windows[1:] or windows),
+                        first_step_peak_bytes=windows[0].peak_bytes,
+                        baseline_bytes=windows[-1].baseline_bytes,
+                        method=MeasureMethod.PROFILER, seconds=windows[-1].seconds)
 
 
 def _event_name(event: Any) -> str:
