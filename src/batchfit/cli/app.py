@@ -41,8 +41,10 @@ DeviceOpt = typer.Option(None, "--device", help="cpu, or cuda:N to read a live G
 InputOpt = typer.Option(None, "--input", help="per-sample input shape, e.g. 3x224x224")
 SeqOpt = typer.Option(None, "--seq-len", help="sequence length for token models")
 ModeOpt = typer.Option("train", "--mode", help="train or infer")
-OptimOpt = typer.Option("adamw", "--optimizer",
-                        help="sgd, momentum, nesterov, adam, adamw, adagrad, rmsprop, adafactor")
+OptimOpt = typer.Option(
+    None, "--optimizer",
+    help="sgd, momentum, nesterov, adam, adamw, adagrad, rmsprop, adafactor (default adamw; "
+         "a compiled Keras model: its own)")
 PrecOpt = typer.Option("fp32", "--precision", help="fp32, tf32, amp-fp16, amp-bf16, bf16, fp16")
 CkptOpt = typer.Option(False, "--checkpointing", help="activation checkpointing")
 ClOpt = typer.Option(False, "--channels-last", help="channels-last memory format")
@@ -128,15 +130,17 @@ def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
     return profile, memory_bytes
 
 
-def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str, optimizer: str,
-           precision: str, checkpointing: bool, channels_last: bool,
+def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str,
+           optimizer: str | None, precision: str, checkpointing: bool, channels_last: bool,
            model_kwargs: list[str] | None) -> tuple[Any, Any, Any]:
+    from dataclasses import replace
+
     from batchfit.engine.spec import TrainConfig
     from batchfit.models.resolve import parse_model_kwargs, resolve_model
 
     config = TrainConfig(
         mode=parse_enum(Mode, mode, "mode"),
-        optimizer=parse_enum(OptimizerName, optimizer, "optimizer"),
+        optimizer=parse_enum(OptimizerName, optimizer or "adamw", "optimizer"),
         precision=parse_enum(Precision, precision, "precision"),
         checkpointing=checkpointing, channels_last=channels_last)
     if seq_len is not None and seq_len < 1:
@@ -146,12 +150,18 @@ def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str, 
                          seq_len=seq_len, input_shape=shape)
     if not gc.isenabled():  # main() turned it off for the imports, which are done now
         freeze_after_imports()
+    if spec.keras_compiled is False and optimizer is None:
+        raise InvalidInputError(
+            f"the Keras model of {model} is not compiled: compile it in the factory "
+            "(model.compile(optimizer=..., loss=...)) or give --optimizer NAME")
+    if spec.keras_compiled and optimizer is not None:  # the user's choice over the compiled one
+        from batchfit.engine.keras_step import with_optimizer
+
+        spec = replace(spec, factory=with_optimizer(spec.factory, config.optimizer))
     if spec.input_spec is None:
         raise InvalidInputError(
             f"{model} has no default input: give --input (per-sample shape, e.g. 3x224x224)")
     if spec.loss_fn is not None:
-        from dataclasses import replace
-
         config = replace(config, loss_fn=spec.loss_fn)
     return spec, spec.input_spec, config
 
@@ -176,7 +186,7 @@ def estimate_cmd(
         None, "--memory", help="with --gpu: the card's memory, e.g. 48GiB (its architecture, "
         "this much memory)"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
+    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: str = PrecOpt,
     checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
@@ -218,7 +228,7 @@ def max_cmd(
     memory: Optional[str] = typer.Option(
         None, "--memory", help="memory budget, e.g. 24GiB; with --gpu NAME, that card's memory"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
+    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: str = PrecOpt,
     checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
     margin: float = typer.Option(0.0, "--margin", help="fraction of memory kept free, e.g. 0.05"),
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
@@ -339,7 +349,7 @@ def search_cmd(
         "CUDA: the allocator's limit (what if my card were smaller)"),
     steps_per_trial: int = typer.Option(2, "--steps-per-trial", help="real steps per trial (>= 2)"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
+    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: str = PrecOpt,
     checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
     model_kwargs: Optional[list[str]] = KwargsOpt,
     as_json: bool = JsonOpt, debug: bool = DebugOpt,
@@ -413,7 +423,7 @@ def bench_cmd(
     alignment: bool = typer.Option(False, "--alignment",
                                    help="measure B against multiples of 8, powers of two, B±1"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
+    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: str = PrecOpt,
     checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
     model_kwargs: Optional[list[str]] = KwargsOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
@@ -523,6 +533,9 @@ def main() -> None:
     # Library chatter (transformers' advisory logs, deprecation warnings) would break
     # --json on stdout and bury the answer; batchfit's own warnings are in its results.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # Keras 3 picks its backend when a model file first imports it: torch, the one batchfit
+    # traces, unless the user chose another (then Keras models get one clear error)
+    os.environ.setdefault("KERAS_BACKEND", "torch")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)

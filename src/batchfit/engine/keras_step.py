@@ -195,10 +195,13 @@ def trace_device(cuda: bool) -> Iterator[None]:
         global_state.set_global_attribute("torch_device", before)
 
 
-def compile_if_needed(model: Any, optimizer: Any) -> None:
+def compile_if_needed(model: Any, optimizer: Any, *, replace: bool = False) -> None:
     """Compile an uncompiled model with the Keras equivalent of batchfit's ``optimizer``
-    name and the default loss (see :func:`default_loss`); a compiled model keeps its own."""
-    if getattr(model, "compiled", False) and getattr(model, "optimizer", None) is not None:
+    name and the default loss (see :func:`default_loss`); a compiled model keeps its own
+    optimizer, unless ``replace``: then it is compiled again with that optimizer, keeping
+    its loss and metrics."""
+    compiled = getattr(model, "compiled", False) and getattr(model, "optimizer", None) is not None
+    if compiled and not replace:
         return
     keras = keras_module()
     name = getattr(optimizer, "value", optimizer)
@@ -208,9 +211,28 @@ def compile_if_needed(model: Any, optimizer: Any) -> None:
             "factory (model.compile(optimizer=..., loss=...)) or name one of "
             + ", ".join(_KERAS_OPTIMIZERS))
     class_name, kwargs = _KERAS_OPTIMIZERS[name]
-    loss = getattr(model, "loss", None) if getattr(model, "compiled", False) else None
-    model.compile(optimizer=getattr(keras.optimizers, class_name)(**kwargs),
-                  loss=loss if loss is not None else default_loss(model))
+    arguments: dict[str, Any] = {}
+    if compiled:
+        arguments = dict(getattr(getattr(model, "_compile_config", None), "config", {}) or {})
+    arguments["optimizer"] = getattr(keras.optimizers, class_name)(**kwargs)
+    if arguments.get("loss") is None:
+        arguments["loss"] = default_loss(model)
+    model.compile(**arguments)
+
+
+def with_optimizer(factory: Callable[[], Any], optimizer: Any) -> Callable[[], Any]:
+    """``factory``, with the model it builds compiled again with batchfit's ``optimizer``
+    name (``--optimizer`` given for a compiled Keras model). Picklable."""
+    import functools
+
+    return functools.partial(_built_with_optimizer, factory, getattr(optimizer, "value",
+                                                                     optimizer))
+
+
+def _built_with_optimizer(factory: Callable[[], Any], optimizer: str) -> Any:
+    model = factory()
+    compile_if_needed(model, optimizer, replace=True)
+    return model
 
 
 def default_loss(model: Any) -> Any:
@@ -434,6 +456,39 @@ def layer_paths(model: Any) -> list[tuple[str, nn.Module]]:
 
     walk(model, "")
     return found
+
+
+@contextlib.contextmanager
+def garbage_collected_per_layer(model: Any) -> Iterator[None]:
+    """Run the cyclic garbage collector after every Keras layer call, and never elsewhere,
+    for the duration (a trace).
+
+    Keras's tree utilities (``keras.tree.map_structure`` over a layer's inputs and
+    outputs, which merge layers such as ``Add`` use) leave reference cycles that hold
+    tensors, so a functional model's intermediate outputs are freed only when Python's
+    cyclic collector runs, not when the last op using them is done. In a real step the
+    collector runs every few hundred new objects, i.e. every layer or two of Keras code;
+    left to itself in a trace it runs at other points (fake tensors allocate other
+    objects), which moved ResNet-50's frees between batch 16 and 32 and broke the
+    batch-independent op sequence the solver relies on. Collecting at each layer's end
+    frees that garbage where a real step's collector would soon after, the same way at
+    every batch size."""
+    import gc
+
+    def collect(*args: Any) -> None:  # a forward hook: returns None, keeps the output
+        gc.collect()
+
+    enabled = gc.isenabled()
+    gc.disable()
+    hooks = [layer.register_forward_hook(collect, always_call=True)
+             for _, layer in layer_paths(model)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        if enabled:
+            gc.enable()
 
 
 # -- the step ---------------------------------------------------------------------------

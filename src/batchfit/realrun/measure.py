@@ -45,7 +45,6 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
-from functools import partial
 from typing import Any, Self
 
 import torch
@@ -55,9 +54,6 @@ from batchfit.engine import _torch_internals as ti
 from batchfit.engine.spec import Mode, TrainConfig, parse_enum
 from batchfit.engine.step import (
     StepRunner,
-    make_batch,
-    normalize_input_spec,
-    torch_dtype,
 )
 from batchfit.errors import InvalidInputError, ModelSpecError
 
@@ -183,43 +179,26 @@ def _check_arguments(model_factory: Any, batch_size: Any, config: Any, steps: An
 
 
 def _build_runner(model_factory: Callable[[], nn.Module], inputs: Any, batch_size: int,
-                  config: TrainConfig) -> StepRunner:
-    """The real model, batch and runner, configured as trace_step does for the CPU."""
-    from batchfit.engine.fake import enable_checkpointing
+                  config: TrainConfig) -> Any:
+    """The real model, batch and runner, configured as trace_step does for the CPU (a
+    Keras model runs its own step: :class:`batchfit.realrun.trial._StepSetup`)."""
+    from batchfit.realrun.trial import _StepSetup
 
-    spec = normalize_input_spec(inputs)
-    precision = config.precision
-    float_dtype = None if precision.weight_dtype == "float32" else torch_dtype(precision.weight_dtype)
-    with torch.device("cpu"):
-        model = model_factory()
+    setup = _StepSetup.of(inputs, config, torch.device("cpu"))
+    model = setup.build(model_factory)
     if not isinstance(model, nn.Module):
         raise ModelSpecError(
             f"the model factory returned {type(model).__name__}, not a torch.nn.Module")
-    if float_dtype is not None:
-        model = model.to(float_dtype)
-    if config.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if config.checkpointing and config.mode is Mode.TRAIN:
-        enable_checkpointing(model)
+    model = setup.prepare(model)
     generator = torch.Generator().manual_seed(0)  # the seed trace_step uses
-    batch = make_batch(spec, batch_size, float_dtype, generator, config.channels_last)
-    autocast = None
-    if precision.autocast_dtype:  # CPU autocast, as trace_step runs it for device="cpu"
-        autocast = partial(torch.autocast, "cpu", dtype=torch_dtype(precision.autocast_dtype))
-    return StepRunner(model, config, batch, autocast=autocast, foreach=False, generator=generator)
+    runner = setup.runner(model, None, generator)
+    runner.batch = setup.batch(batch_size, generator)
+    return runner
 
 
-def _step_storages(runner: StepRunner) -> list[torch.Tensor]:
+def _step_storages(runner: Any) -> list[torch.Tensor]:
     """Every tensor live between steps: what the step starts from."""
-    tensors: list[torch.Tensor] = list(runner.model.parameters()) + list(runner.model.buffers())
-    tensors += [p.grad for p in runner.model.parameters() if p.grad is not None]
-    tensors += list(ti.iter_tensors(runner.batch))
-    if runner.optimizer is not None:
-        for state in runner.optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    if runner.scaler is not None:
-        tensors += [runner.scaler.scale, runner.scaler.growth_tracker]
-    return tensors
+    return runner.state_tensors() + list(ti.iter_tensors(runner.batch))
 
 
 def _unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, Any]:
