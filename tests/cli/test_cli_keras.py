@@ -95,3 +95,11 @@ def test_keras_on_another_backend_says_torch_is_needed(keras_file, backend):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     assert "torch backend" in lines[0] and "KERAS_BACKEND=torch" in lines[0]
+
+
+def test_keras_bench_predict_on_a_named_gpu(keras_file):
+    result = invoke("bench", f"{keras_file}:cnn", "--gpu", "RTX 3090", "--predict",
+                    "--batches", "8,64", "--json")
+    assert result.exit_code == 0, result.output
+    points = {p["batch_size"]: p for p in json.loads(result.stdout)["points"]}
+    assert points[64]["samples_per_s"] > points[8]["samples_per_s"] > 0

@@ -87,6 +87,7 @@ from batchfit.speed.timing import (
     Clock,
     TimingConfig,
     _free_memory,
+    _freeze_keras_learning_rate,
     _freeze_learning_rate,
     _measured_peak,
     _reset_peak,
@@ -270,24 +271,35 @@ class _Sweep:
     optimizer: Any = None
     scaler: Any = None
     measure_s: float = 0.0
+    keras: Any = None  # a Keras model's step setup (batchfit.realrun.trial._StepSetup)
 
     def open(self) -> None:
         """Build (a factory) or prepare (a module) the real model on the device."""
         import torch
         from torch import nn
 
+        from batchfit.engine import keras_step
         from batchfit.engine.fake import enable_checkpointing
         from batchfit.engine.step import torch_dtype
 
         config, model = self.config, self.model
+        if keras_step.is_keras_model(model):  # the user's Keras model runs on a copy
+            model = keras_step.clone_factory(model)
         if isinstance(model, nn.Module):
             # values are restored in place afterwards; a change of dtype, layout, device or
             # checkpointing is not, so it happens on a copy
             module = copy.deepcopy(model) if self._changes_module(model) else model
         elif callable(model):
             torch.manual_seed(0)  # reproducible weights; the caller's RNG is restored after
-            with torch.device(self.torch_device):
+            with torch.device(self.torch_device), keras_step.build_scope(
+                    self.torch_device, config.precision.value):
                 module = model()
+            if keras_step.is_keras_model(module):  # it runs its own step (realrun.trial)
+                from batchfit.realrun.trial import _StepSetup
+
+                self.keras = _StepSetup.of(self.inputs, config, self.torch_device)
+                self.module = self.keras.prepare(module)
+                return
             if not isinstance(module, nn.Module):
                 raise ModelSpecError(
                     f"the model factory returned {type(module).__name__}, not a torch.nn.Module")
@@ -340,6 +352,14 @@ class _Sweep:
         )
 
         config = self.config
+        if self.keras is not None:  # Keras's own step on (x, y)
+            runner = self.keras.runner(self.module, None, None)
+            runner.batch = self.keras.batch(
+                batch_size, torch.Generator(device=self.torch_device).manual_seed(0))
+            if self.optimizer is None:
+                _freeze_keras_learning_rate(self.module)
+                self.optimizer = self.module.optimizer
+            return runner
         weight = config.precision.weight_dtype
         float_dtype = None if weight == "float32" else torch_dtype(weight)
         generator = torch.Generator().manual_seed(0)
@@ -400,7 +420,10 @@ class _Sweep:
                                measured_peak, repeats, steps, seconds=seconds)
 
     def _recover(self) -> None:
-        if self.optimizer is not None:
+        if self.keras is not None:
+            for param in self.module.parameters():
+                param.grad = None
+        elif self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         _free_memory(self.torch_device)
 
