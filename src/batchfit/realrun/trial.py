@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -134,7 +135,22 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if type(exc) is RuntimeError:
         text = str(exc)
         return any(message in text for message in _OOM_MESSAGES)
-    return False
+    return _is_other_backends_out_of_memory(exc)
+
+
+def _is_other_backends_out_of_memory(exc: BaseException) -> bool:
+    """Keras 3 on JAX or TensorFlow (:mod:`batchfit.integrations.keras`): XLA reports an
+    allocation failure as a ``jax.errors.JaxRuntimeError`` whose status is
+    ``RESOURCE_EXHAUSTED`` (measured on the CPU under ``RLIMIT_DATA``: "RESOURCE_EXHAUSTED:
+    Out of memory allocating 486948996 bytes"), TensorFlow as
+    ``tf.errors.ResourceExhaustedError``. Checked only if that library is imported."""
+    jax = sys.modules.get("jax")
+    jax_error = getattr(getattr(jax, "errors", None), "JaxRuntimeError", None)
+    if isinstance(jax_error, type) and isinstance(exc, jax_error):
+        return "RESOURCE_EXHAUSTED" in str(exc)
+    tf = sys.modules.get("tensorflow")
+    tf_error = getattr(getattr(tf, "errors", None), "ResourceExhaustedError", None)
+    return isinstance(tf_error, type) and isinstance(exc, tf_error)
 
 
 def release_exception(exc: BaseException) -> None:
