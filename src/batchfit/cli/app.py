@@ -23,6 +23,7 @@ from batchfit.engine.spec import (
     Mode,
     OptimizerName,
     Precision,
+    parse_duration,
     parse_enum,
     parse_shape,
     parse_size,
@@ -415,8 +416,11 @@ def bench_cmd(
     gpu: Optional[str] = typer.Option(None, "--gpu", help="a catalog GPU, with --predict"),
     predict: bool = typer.Option(False, "--predict", help="predict on --gpu; no device needed"),
     memory: Optional[str] = typer.Option(
-        None, "--memory", help="memory budget on --device, e.g. 8GiB; with --gpu NAME --predict, "
-        "that card's memory"),
+        None, "--memory", help="memory budget on --device, e.g. 8GiB (default on the CPU: the "
+        "memory this machine has available); with --gpu NAME --predict, that card's memory"),
+    time_budget: str = typer.Option(
+        "120s", "--time-budget",
+        help="measuring stops short of batches that would end past this, e.g. 5m"),
     batches: str = typer.Option("auto", "--batches", help="auto, or a list like 16,32,64"),
     dataset_size: Optional[int] = typer.Option(None, "--dataset-size",
                                                help="samples per epoch, for the epoch time"),
@@ -439,6 +443,7 @@ def bench_cmd(
             raise InvalidInputError("--gpu goes with --predict; to measure, use --device cpu|cuda:N")
         batch_list = _parse_batches(batches)
         memory_bytes = parse_size(memory) if memory is not None else None
+        budget_s = parse_duration(time_budget)
         card = _predicted_card(gpu, memory_bytes) if predict else None
         spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                       checkpointing, channels_last, model_kwargs)
@@ -455,7 +460,13 @@ def bench_cmd(
                 result = bench(spec.factory, inputs, config, device=device or "cpu",
                                memory_bytes=memory_bytes, batches=batch_list,
                                dataset_size=dataset_size, alignment=alignment,
-                               on_measure=on_measure)
+                               time_budget_s=budget_s, on_measure=on_measure,
+                               on_point=_point_line if as_json else None)
+            if result.memory_source == "available":
+                from batchfit.cli.report import format_bytes
+
+                err.print(f"bench: no --memory: using the {format_bytes(result.memory_bytes)} "
+                          "this machine has available now", highlight=False)
         if plot:
             from batchfit.cli.plot import plot_throughput
 
@@ -468,6 +479,17 @@ def bench_cmd(
         out.print(render_bench(result, model))
         if plot:
             out.print(f"plot written to {plot}")
+
+
+def _point_line(point: Any) -> None:
+    """One line on stderr per measured (or skipped) batch: --json mode has no progress bar."""
+    if point.fits:
+        text = (f"bench: batch {point.batch_size}: {point.samples_per_s:,.1f} samples/s "
+                f"(step {point.step_s * 1e3:,.1f} ms; {point.seconds:.1f} s)")
+    else:
+        text = f"bench: batch {point.batch_size}: {point.error}"
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def _predicted_card(gpu: str, memory_bytes: int | None) -> Any:

@@ -156,6 +156,8 @@ def render_bench(result: Any, model: str) -> Group:
         f"{result.recommended_batch_size}; largest that fits {result.max_batch_size}")]
     if getattr(result, "epoch_s", None):
         lines.append(Text(f"epoch of {result.dataset_size:,} samples: {result.epoch_s:,.1f} s"))
+    if getattr(result, "note", ""):
+        lines.append(Text(f"note: {result.note}", style="italic"))
     alignment = getattr(result, "alignment", None)
     if alignment is not None:
         lines.append(Text(alignment.verdict.text, style="italic"))

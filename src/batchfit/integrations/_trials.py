@@ -163,18 +163,6 @@ def trial_line(trial: Trial) -> str:
     return f"batch {trial.batch_size}: {verdict} ({trial.seconds:.1f} s)"
 
 
-def available_memory_bytes() -> int | None:
-    """What the machine can give now (``MemAvailable`` of ``/proc/meminfo``), or None."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 @contextlib.contextmanager
 def cpu_memory_cap(limit_bytes: int) -> Iterator[None]:
     """This process as a CPU "device" of ``limit_bytes`` more than it holds now, for the
