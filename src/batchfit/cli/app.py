@@ -349,6 +349,9 @@ def search_cmd(
         None, "--memory-cap", help="CPU: bytes a trial may use beyond its warmed-up state; "
         "CUDA: the allocator's limit (what if my card were smaller)"),
     steps_per_trial: int = typer.Option(2, "--steps-per-trial", help="real steps per trial (>= 2)"),
+    boundary_runs: int = typer.Option(
+        3, "--boundary-runs",
+        help="CPU: fresh processes the answer must fit in (the batch above runs as often)"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
     mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: str = PrecOpt,
     checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
@@ -357,6 +360,8 @@ def search_cmd(
 ) -> None:
     """Find the exact largest batch on the real device, starting from the prediction."""
     with _errors(debug):
+        if boundary_runs < 1:
+            raise InvalidInputError(f"--boundary-runs must be at least 1, not {boundary_runs}")
         if steps_per_trial < 2:
             raise InvalidInputError(
                 f"--steps-per-trial must be at least 2 (the first step creates the optimizer "
@@ -389,7 +394,7 @@ def search_cmd(
 
             result = search_max_batch(spec, inputs, config, device=text,
                                       memory_cap_bytes=cap, steps_per_trial=steps_per_trial,
-                                      on_trial=on_trial)
+                                      boundary_runs=boundary_runs, on_trial=on_trial)
         if as_json:
             _emit_json({"model": model, **result.to_dict()})
             return

@@ -184,4 +184,8 @@ def render_search(result: Any, model: str) -> Group:
     if result.predicted_max_batch_size is not None and result.prediction_error is not None:
         lines.append(Text(f"predicted {result.predicted_max_batch_size} "
                           f"({result.prediction_error:+.1%} vs the device)"))
+    boundary = getattr(result, "boundary", ())
+    if boundary:
+        lines.append(Text("in fresh processes: " + ", ".join(
+            f"batch {b} fits in {k} of {n}" for b, k, n in boundary)))
     return Group(*lines)
