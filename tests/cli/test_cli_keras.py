@@ -86,10 +86,9 @@ def _cli(backend: str, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("backend", ["jax", "tensorflow"])
+@pytest.mark.parametrize("backend", ["tensorflow"])  # jax: the same line (README), slower
 def test_keras_on_another_backend_says_torch_is_needed(keras_file, backend):
-    if backend == "jax":
-        pytest.importorskip("jax")
+    # tensorflow is not installed here: importing the file fails, and the line says why
     result = _cli(backend, "estimate", f"{keras_file}:cnn", "-b", "4")
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
