@@ -45,11 +45,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("batchfit.integrations.keras needs Keras 3: "
                       "pip install 'batchfit[keras]'") from exc
 
+from batchfit.device.profile import available_memory_bytes
 from batchfit.errors import InvalidInputError
 from batchfit.integrations._trials import (
     BatchSizeSearch,
     SearchLimits,
-    available_memory_bytes,
     check_positive_int,
     check_steps,
     cpu_memory_cap,

@@ -54,6 +54,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("batchfit.integrations.lightning needs Lightning: "
                       "pip install 'batchfit[lightning]'") from exc
 
+from batchfit.device.profile import available_memory_bytes
 from batchfit.engine.spec import TrainConfig
 from batchfit.errors import InvalidInputError
 from batchfit.integrations._seed import (
@@ -65,7 +66,6 @@ from batchfit.integrations._seed import (
 from batchfit.integrations._trials import (
     BatchSizeSearch,
     SearchLimits,
-    available_memory_bytes,
     check_positive_int,
     check_steps,
     cpu_memory_cap,
