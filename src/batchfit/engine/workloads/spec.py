@@ -2,7 +2,7 @@
 the loss over the vocabulary.
 
 Plain dataclasses, no torch import: the CLI parses ``--lora r=16,alpha=32,targets=all-linear``
-and ``--quant nf4-dq`` into these, and :mod:`batchfit.workloads.build` applies them to the
+and ``--quant nf4-dq`` into these, and :mod:`batchfit.engine.workloads.build` applies them to the
 model with the real libraries (peft, bitsandbytes, transformers).
 """
 

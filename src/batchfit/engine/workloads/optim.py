@@ -61,7 +61,7 @@ def build_bnb_optimizer(name: str, params: list[torch.nn.Parameter], kwargs: dic
     """
     import bitsandbytes as bnb
 
-    from batchfit._torch_internals import no_dispatch_modes
+    from batchfit.engine._torch_internals import no_dispatch_modes
 
     cls_name, defaults = BNB_OPTIMIZERS[name]
     cls = getattr(bnb.optim, cls_name)

@@ -65,7 +65,7 @@ def _nbytes(t: torch.Tensor | None) -> int:
 
 
 def layout_of(model: nn.Module) -> QuantLayout:
-    """The quantized-weight layout of a model built by :func:`batchfit.workloads.build.quantize`
+    """The quantized-weight layout of a model built by :func:`batchfit.engine.workloads.build.quantize`
     (meta, fake or real)."""
     import bitsandbytes as bnb
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchfit.errors import InvalidInputError
-from batchfit.workloads.spec import (ALL_LINEAR, AdapterDtype, LoraSpec, QuantMethod, parse_lora,
+from batchfit.engine.workloads.spec import (ALL_LINEAR, AdapterDtype, LoraSpec, QuantMethod, parse_lora,
                                      parse_quant)
 
 

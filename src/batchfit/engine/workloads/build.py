@@ -1,4 +1,4 @@
-"""Apply a :class:`~batchfit.workloads.spec.Workload` to a built model, with the real libraries.
+"""Apply a :class:`~batchfit.engine.workloads.spec.Workload` to a built model, with the real libraries.
 
 The order is the one a QLoRA script follows::
 
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from batchfit.errors import InvalidInputError, ModelSpecError
-from batchfit.workloads.spec import ALL_LINEAR, AdapterDtype, LoraSpec, QuantMethod, QuantSpec
+from batchfit.engine.workloads.spec import ALL_LINEAR, AdapterDtype, LoraSpec, QuantMethod, QuantSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
