@@ -199,8 +199,17 @@ def _build_runner(model_factory: Callable[[], nn.Module], inputs: Any, batch_siz
         model = model.to(float_dtype)
     if config.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if config.checkpointing and config.mode is Mode.TRAIN:
-        enable_checkpointing(model)
+    prepared = False
+    if config.workload is not None:  # quantized for real by bitsandbytes, adapted by peft
+        from batchfit.engine.workloads.build import apply_workload
+
+        model = apply_workload(model, config.workload, precision=precision,
+                               checkpointing=config.checkpointing,
+                               use_reentrant=config.use_reentrant,
+                               training=config.mode is Mode.TRAIN)
+        prepared = config.quant is not None and config.quant.prepare
+    if config.checkpointing and config.mode is Mode.TRAIN and not prepared:
+        enable_checkpointing(model, config.use_reentrant)
     generator = torch.Generator().manual_seed(0)  # the seed trace_step uses
     batch = make_batch(spec, batch_size, float_dtype, generator, config.channels_last)
     autocast = None

@@ -1,0 +1,190 @@
+"""LLM workloads: LoRA (peft), bitsandbytes 4-bit/8-bit weights and optimizers, traced on fake
+tensors. The CPU predictions are checked against the profiler on the same real step (the
+model quantized for real by bitsandbytes' CPU kernels), and the per-component bytes against
+values derived by hand from the bitsandbytes and peft sources."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+import torch  # noqa: E402
+
+from batchfit.answers.estimate import estimate  # noqa: E402
+from batchfit.engine.spec import TensorSpec, TrainConfig  # noqa: E402
+from batchfit.engine.trace import Category, EventKind, Phase, trace_step  # noqa: E402
+from batchfit.errors import InvalidInputError  # noqa: E402
+
+H, I, V, LAYERS, KV_HEADS, HEADS = 256, 512, 1000, 2, 2, 4
+SPEC = {"input_ids": TensorSpec((64,), "int64", 0, V), "labels": TensorSpec((64,), "int64", 0, V)}
+
+
+def tiny_llama():
+    config = transformers.LlamaConfig(
+        hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, vocab_size=V, max_position_embeddings=512, use_cache=False)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+@pytest.fixture
+def one_thread():
+    """The real steps on one thread: bitsandbytes' CPU kernels on a shared two-core machine
+    took 6 s a step with two threads and 0.4 s with one; the bytes do not change."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# (out, in) of every linear layer of one decoder layer: q, k, v, o, gate, up, down
+KV = H // HEADS * KV_HEADS
+LINEARS = [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I)]
+
+
+@pytest.mark.parametrize("options", [
+    dict(lora="r=8,alpha=16,targets=all-linear"),
+    dict(lora="r=8,targets=all-linear", quant="nf4-dq"),
+    dict(lora="r=8,targets=all-linear", quant="fp4", precision="amp-bf16",
+         optimizer="paged-adamw8bit"),
+    dict(optimizer="adamw8bit"),
+    dict(lora="r=8,targets=all-linear", quant="int8"),
+], ids=["lora", "qlora-nf4-dq", "qlora-fp4-amp-paged8bit", "adamw8bit", "int8-lora"])
+def test_cpu_prediction_matches_the_profiler(options, one_thread):
+    from batchfit.realrun.measure import measure_step
+
+    config = TrainConfig(**options)
+    predicted = estimate(tiny_llama, SPEC, 4, config, device="cpu").peak_allocated_bytes
+    measured = measure_step(tiny_llama, SPEC, 4, config, steps=2).peak_bytes
+    assert abs(predicted - measured) / measured < 0.02, (predicted, measured)
+
+
+def _parameter_bytes(trace):
+    return sum(e.nbytes for e in trace.steady_events
+               if e.kind is EventKind.ALLOC and e.category is Category.PARAMETERS
+               and e.phase is Phase.SETUP)
+
+
+def test_quantized_layout_by_hand():
+    from batchfit.engine.trace import _workload_model
+    from batchfit.engine.workloads.quantstate import layout_of
+
+    weights = [o * i for o, i in LINEARS] * LAYERS
+    nested = _workload_model(tiny_llama, TrainConfig(lora="r=8", quant="nf4-dq"), None)[0]
+    layout = layout_of(nested)
+    assert layout.layers == 7 * LAYERS
+    assert layout.packed_bytes == sum(n // 2 for n in weights)            # two values a byte
+    assert layout.absmax_bytes == sum(math.ceil(n / 64) for n in weights)  # uint8 per 64
+    assert layout.nested_absmax_bytes == sum(4 * math.ceil(math.ceil(n / 64) / 256)
+                                             for n in weights)
+    assert layout.code_bytes == 14 * (16 * 4 + 256 * 4)  # NF4 book + the 8-bit book
+    assert layout.offset_bytes == 14 * 4
+    plain = layout_of(_workload_model(tiny_llama, TrainConfig(lora="r=8", quant="nf4"), None)[0])
+    assert plain.absmax_bytes == sum(4 * math.ceil(n / 64) for n in weights)  # fp32
+    assert plain.nested_absmax_bytes == plain.offset_bytes == 0
+    int8 = layout_of(_workload_model(tiny_llama, TrainConfig(lora="r=8", quant="int8"), None)[0])
+    assert int8.packed_bytes == sum(weights) and int8.scale_bytes == 4 * sum(
+        o for o, _ in LINEARS) * LAYERS
+
+
+def test_lora_parameters_by_hand():
+    # r=8 on every linear layer but lm_head: r x (in + out) float32 values each
+    config = TrainConfig(lora="r=8,targets=all-linear", quant="nf4")
+    trace = trace_step(tiny_llama, SPEC, 2, config, _cpu())
+    assert trace.trainable_parameter_count == LAYERS * sum(8 * (o + i) for o, i in LINEARS)
+    # the stored weights: packed 4-bit + fp32 absmax + code books, the fp32 embedding, lm_head,
+    # norms (prepare_model_for_kbit_training upcasts them) and the fp32 adapters
+    weights = [o * i for o, i in LINEARS] * LAYERS
+    quantized = sum(n // 2 + 4 * math.ceil(n / 64) + 64 for n in weights)
+    full_precision = 4 * (V * H * 2 + H * (2 * LAYERS + 1))
+    adapters = 4 * trace.trainable_parameter_count
+    assert _parameter_bytes(trace) == quantized + full_precision + adapters
+
+
+def _cpu():
+    from batchfit.device.profile import DeviceProfile
+
+    return DeviceProfile.cpu()
+
+
+def _gpu():
+    from batchfit.device.profile import resolve_device
+
+    return resolve_device("RTX 4090")
+
+
+def _steady_optimizer_state(trace):
+    live, category = {}, {}
+    for event in trace.steady_events:
+        if event.kind is EventKind.ALLOC:
+            live[event.key] = event.nbytes
+            category[event.key] = event.category
+        elif event.kind is EventKind.FREE:
+            live.pop(event.key, None)
+        else:
+            category[event.key] = event.category
+    return sum(n for k, n in live.items() if category[k] is Category.OPTIMIZER_STATE)
+
+
+def test_8bit_optimizer_state_by_hand():
+    # bitsandbytes Optimizer2State.init_state: uint8 state1/state2 and fp32 absmax1/absmax2
+    # per 256-element block for tensors of >= 4096 elements, fp32 state below; plus the two
+    # 256-entry fp32 code books shared by all
+    model = tiny_llama()
+    expected = 2 * 256 * 4
+    for p in model.parameters():
+        n = p.numel()
+        expected += 2 * n + 2 * 4 * math.ceil(n / 256) if n >= 4096 else 2 * 4 * n
+    trace = trace_step(tiny_llama, SPEC, 2, TrainConfig(optimizer="adamw8bit"), _cpu())
+    assert _steady_optimizer_state(trace) == expected
+
+
+def test_paged_state_is_host_backed_on_a_gpu():
+    # bitsandbytes pages a state buffer (cudaMallocManaged) when the parameter has >= 1e5
+    # elements: the embedding and lm_head (256,000) and the MLP weights (131,072) here
+    model = tiny_llama()
+    paged = sum(p.numel() for p in model.parameters() if p.numel() >= 100_000)
+    small = sum(p.numel() for p in model.parameters() if p.numel() < 100_000)
+    trace = trace_step(tiny_llama, SPEC, 2, TrainConfig(optimizer="paged-adamw32bit"), _gpu())
+    assert trace.host_backed_bytes == 2 * 4 * paged
+    # what stays on the device: the small tensors' fp32 state, in 512-byte allocator blocks
+    assert _steady_optimizer_state(trace) == 2 * 4 * small
+    cpu = trace_step(tiny_llama, SPEC, 2, TrainConfig(optimizer="paged-adamw32bit"), _cpu())
+    assert cpu.host_backed_bytes == 0  # bitsandbytes does not page on the CPU
+
+
+def test_4bit_forward_dequantizes_the_weight_on_a_gpu():
+    # M = 8 x 256 = 2048 rows > 1536: bitsandbytes' CUDA gemm_4bit takes the fallback, which
+    # dequantizes the whole (N, K) weight to the input dtype inside the op
+    long = {k: TensorSpec((256,), "int64", 0, V) for k in SPEC}
+    config = TrainConfig(lora="r=8,targets=all-linear", quant="nf4", precision="amp-bf16")
+    trace = trace_step(tiny_llama, long, 8, config, _gpu())
+    down = "base_model.model.model.layers.0.mlp.down_proj.base_layer"
+    forward = [e for e in trace.steady_events if e.kind is EventKind.ALLOC
+               and e.module == down and e.phase is Phase.FORWARD]
+    assert H * I * 2 in [e.nbytes for e in forward]  # the bf16 dequantized weight
+    # one row of tokens (M = 2): bitsandbytes' fused cgemm_4bit writes only the output
+    one = {k: TensorSpec((2,), "int64", 0, V) for k in SPEC}
+    small = trace_step(tiny_llama, one, 1, config, _gpu())
+    forward = [e for e in small.steady_events if e.kind is EventKind.ALLOC
+               and e.module == down and e.phase is Phase.FORWARD and "gemm" not in e.op]
+    assert H * I * 2 not in [e.nbytes for e in forward]
+
+
+def test_bad_lora_target_lists_candidates():
+    with pytest.raises(InvalidInputError) as info:
+        trace_step(tiny_llama, SPEC, 1, TrainConfig(lora="r=4,targets=qproj"), _cpu())
+    text = str(info.value)
+    assert "'qproj' matches no module" in text and "q_proj" in text and "\n" not in text
+
+
+def test_quant_needs_linear_layers():
+    def convnet():
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten())
+
+    with pytest.raises(InvalidInputError, match="no nn.Linear layer"):
+        trace_step(convnet, (3, 8, 8), 1, TrainConfig(lora="r=4", quant="nf4"), _cpu())
