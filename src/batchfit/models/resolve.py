@@ -438,6 +438,24 @@ def _resolve_hf(user_spec: str, name: str, kwargs: dict[str, Any],
     return _hf_spec(user_spec, source, kwargs, seq_len)
 
 
+def load_hf_config(name: str, model_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """The transformers config of ``hf:NAME`` (offline table or local directory), with
+    ``model_kwargs`` overrides, without building the model.
+
+    Example:
+        >>> load_hf_config("Meta-Llama-3-8B").num_key_value_heads
+        8
+    """
+    name = str(name).strip().removeprefix("hf:")
+    source = _hf_source(name)
+    if source is None:
+        raise _unknown_hf_error(name)
+    kwargs = dict(model_kwargs or {})
+    for key in _RESERVED_HF_KWARGS:
+        kwargs.pop(key, None)
+    return _hf_config(_import_optional("transformers"), source, kwargs)
+
+
 def _hf_spec(user_spec: str, source: _HFSource, kwargs: dict[str, Any],
              seq_len: int | None) -> ModelSpec:
     transformers = _import_optional("transformers")
@@ -568,7 +586,8 @@ def _build_hf(config: Any, task: HFTask, attn: str | None) -> nn.Module:
     try:
         return auto.from_config(config, attn_implementation=attn, **dtype_kwarg)
     except ValueError as exc:
-        if attn != "sdpa" or "sdpa" not in str(exc).lower():
+        text = str(exc).lower()
+        if attn != "sdpa" or ("sdpa" not in text and "scaled_dot_product" not in text):
             raise
     return auto.from_config(config, attn_implementation="eager", **dtype_kwarg)
 
