@@ -104,6 +104,7 @@ class MaxBatchResult:
             "explanation": est.explain(),
             "evaluated": [list(pair) for pair in self.evaluated],
             "note": self.note,
+            "host_backed_bytes": est.host_backed_bytes,
         }
 
 

@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import typer
@@ -43,14 +44,31 @@ SeqOpt = typer.Option(None, "--seq-len", help="sequence length for token models"
 ModeOpt = typer.Option("train", "--mode", help="train or infer")
 OptimOpt = typer.Option("adamw", "--optimizer",
                         help="sgd, momentum, nesterov, adam, adamw, adagrad, rmsprop, adafactor")
-PrecOpt = typer.Option("fp32", "--precision", help="fp32, tf32, amp-fp16, amp-bf16, bf16, fp16")
-CkptOpt = typer.Option(False, "--checkpointing", help="activation checkpointing")
+PrecOpt = typer.Option(None, "--precision", help="fp32, tf32, amp-fp16, amp-bf16, bf16, fp16 "
+                       "(default fp32; amp-bf16 with --quant, as the QLoRA recipe computes)")
+CkptOpt = typer.Option(None, "--checkpointing/--no-checkpointing",
+                       help="activation checkpointing (default off; on with --quant, as peft's "
+                       "prepare_model_for_kbit_training does)")
 ClOpt = typer.Option(False, "--channels-last", help="channels-last memory format")
 OverheadOpt = typer.Option(
     None, "--overhead",
     help="memory outside the tensors, e.g. 600MiB: the CUDA context (GPU), or the CPU runtime's "
          "overhead (--device cpu; max measures it with one real step unless given)")
 KwargsOpt = typer.Option(None, "--model-kwargs", help="key=value passed to the model builder")
+LoraOpt = typer.Option(None, "--lora", help="peft LoRA, e.g. r=16,alpha=32,targets=all-linear"
+                       "[,dropout=0.05,save=lm_head,dtype=fp32|base,dora=true]; lists join with +")
+QuantOpt = typer.Option(None, "--quant", help="bitsandbytes base weights: nf4, nf4-dq, fp4, "
+                        "fp4-dq (dq: double quantization) or int8 (LLM.int8)")
+LossOpt = typer.Option("standard", "--loss", help="standard (the model's own loss) or chunked "
+                       "(Liger's fused linear cross-entropy; GPU targets)")
+AccumOpt = typer.Option(1, "--grad-accum", help="micro-batches per optimizer step "
+                        "(the batch size is the micro-batch)")
+ReentrantOpt = typer.Option(False, "--use-reentrant",
+                            help="Hugging Face checkpointing with use_reentrant=True")
+PackingOpt = typer.Option(False, "--packing", help="several documents per row "
+                          "(position_ids restarting per document)")
+AttnOpt = typer.Option(None, "--attn", help="attention implementation: sdpa (default), eager "
+                       "or flash (flash-attention kernels; GPU, fp16/bf16, sm80+)")
 JsonOpt = typer.Option(False, "--json", help="print one JSON object")
 PlotOpt = typer.Option(None, "--plot", help="write a PNG plot here")
 DebugOpt = typer.Option(False, "--debug", help="show tracebacks")
@@ -128,22 +146,64 @@ def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
     return profile, memory_bytes
 
 
+@dataclass(frozen=True)
+class LlmArgs:
+    """The LLM options of ``estimate`` and ``max`` (README, "LLM fine-tuning")."""
+
+    lora: str | None = None
+    quant: str | None = None
+    loss: str = "standard"
+    grad_accum: int = 1
+    use_reentrant: bool = False
+    packing: bool = False
+    attn: str | None = None
+
+
+_ATTN = {"sdpa": "sdpa", "eager": "eager", "flash": "flash", "flash-attention-2": "flash",
+         "flash_attention_2": "flash"}
+
+
 def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str, optimizer: str,
-           precision: str, checkpointing: bool, channels_last: bool,
-           model_kwargs: list[str] | None) -> tuple[Any, Any, Any]:
-    from batchfit.engine.spec import TrainConfig
+           precision: str | None, checkpointing: bool | None, channels_last: bool,
+           model_kwargs: list[str] | None, llm: LlmArgs | None = None) -> tuple[Any, Any, Any]:
+    from batchfit.engine.spec import TrainConfig, parse_optimizer
     from batchfit.models.resolve import parse_model_kwargs, resolve_model
 
+    llm = llm or LlmArgs()
+    if precision is None:  # QLoRA computes in bf16 (bnb_4bit_compute_dtype, bf16=True)
+        precision = "amp-bf16" if llm.quant is not None else "fp32"
+    if checkpointing is None:  # prepare_model_for_kbit_training(use_gradient_checkpointing=True)
+        checkpointing = llm.quant is not None
+    if llm.grad_accum < 1:
+        raise InvalidInputError(f"--grad-accum must be a positive integer, not {llm.grad_accum}")
     config = TrainConfig(
         mode=parse_enum(Mode, mode, "mode"),
-        optimizer=parse_enum(OptimizerName, optimizer, "optimizer"),
+        optimizer=parse_optimizer(optimizer),
         precision=parse_enum(Precision, precision, "precision"),
-        checkpointing=checkpointing, channels_last=channels_last)
+        checkpointing=checkpointing, channels_last=channels_last,
+        lora=llm.lora, quant=llm.quant, loss=llm.loss, grad_accum_steps=llm.grad_accum,
+        use_reentrant=llm.use_reentrant, packing=llm.packing)
+    if config.quant is not None and config.lora is None and config.mode is Mode.TRAIN:
+        raise InvalidInputError(
+            f"--quant {config.quant.method.value} freezes the quantized base weights, so "
+            "nothing would train: add --lora (QLoRA), or use --mode infer")
+    if llm.use_reentrant and not checkpointing:
+        raise InvalidInputError("--use-reentrant applies to checkpointing: add --checkpointing")
     if seq_len is not None and seq_len < 1:
         raise InvalidInputError(f"--seq-len must be a positive integer, not {seq_len}")
     shape = parse_shape(input_shape) if input_shape is not None else None
-    spec = resolve_model(model, model_kwargs=parse_model_kwargs(model_kwargs or []),
-                         seq_len=seq_len, input_shape=shape)
+    kwargs = parse_model_kwargs(model_kwargs or [])
+    if llm.attn is not None:
+        attn = _ATTN.get(llm.attn.strip().lower())
+        if attn is None:
+            raise InvalidInputError(f"unknown --attn {llm.attn!r}: use sdpa, eager or flash")
+        if "attn_implementation" in kwargs:
+            raise InvalidInputError("give --attn or --model-kwargs attn_implementation=..., "
+                                    "not both")
+        # flash: the SDPA path, with the target's flash kernel required (checked later)
+        kwargs["attn_implementation"] = "sdpa" if attn == "flash" else attn
+    spec = resolve_model(model, model_kwargs=kwargs, seq_len=seq_len, input_shape=shape,
+                         packing=llm.packing)
     if not gc.isenabled():  # main() turned it off for the imports, which are done now
         freeze_after_imports()
     if spec.input_spec is None:
@@ -176,9 +236,12 @@ def estimate_cmd(
         None, "--memory", help="with --gpu: the card's memory, e.g. 48GiB (its architecture, "
         "this much memory)"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
-    checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
+    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: Optional[str] = PrecOpt,
+    checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
+    lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
+    grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
+    packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
     """Predict the peak memory of one step at a batch size."""
@@ -192,8 +255,10 @@ def estimate_cmd(
                 "on --device uses the device as it is (max --memory sets a budget)")
         profile, _ = _resolve_device(gpu, device, memory, overhead, need_budget=False)
         with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
+            llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
-                                          checkpointing, channels_last, model_kwargs)
+                                          checkpointing, channels_last, model_kwargs, llm)
+            _check_attn(llm, config, profile)
             from batchfit.answers.estimate import estimate
 
             est = estimate(spec.factory, inputs, batch_size, config, device=profile)
@@ -218,14 +283,17 @@ def max_cmd(
     memory: Optional[str] = typer.Option(
         None, "--memory", help="memory budget, e.g. 24GiB; with --gpu NAME, that card's memory"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
-    checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
+    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: Optional[str] = PrecOpt,
+    checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,
     margin: float = typer.Option(0.0, "--margin", help="fraction of memory kept free, e.g. 0.05"),
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
     max_limit: int = typer.Option(65536, "--max-batch-limit", help="largest batch considered"),
     batch_size: Optional[int] = typer.Option(
         None, "--batch-size", "-b",
         help="token models: fix the batch and find the longest --seq-len that fits"),
+    lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
+    grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
+    packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
     """The largest batch size that fits the GPU (or a memory budget).
@@ -242,8 +310,10 @@ def max_cmd(
         if not profile.is_cuda and memory_bytes is None:
             raise InvalidInputError("--device cpu needs --memory SIZE as the budget")
         with _progress(not as_json, f"resolving {model}...") as status:
+            llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
-                                          checkpointing, channels_last, model_kwargs)
+                                          checkpointing, channels_last, model_kwargs, llm)
+            _check_attn(llm, config, profile)
             if not profile.is_cuda and overhead is None:
                 if status is not None:
                     status.update(f"measuring the CPU runtime's overhead: one real step of {model}...")
@@ -276,6 +346,21 @@ def max_cmd(
             out.print(f"plot written to {plot}")
 
 
+def _check_attn(llm: LlmArgs, config: Any, profile: Any) -> None:
+    """``--attn flash`` is the flash kernel the target must be able to run: flash-attention
+    (and SDPA's flash backend) need an sm80+ GPU and fp16/bf16 activations."""
+    if llm.attn is None or _ATTN.get(llm.attn.strip().lower()) != "flash":
+        return
+    half = config.precision.value in ("amp-fp16", "amp-bf16", "bf16", "fp16")
+    if not profile.is_cuda:
+        raise InvalidInputError("--attn flash runs flash-attention CUDA kernels: give --gpu NAME")
+    if tuple(profile.compute_capability or (0, 0)) < (8, 0) or not half:
+        raise InvalidInputError(
+            f"--attn flash needs an sm80+ GPU and fp16/bf16 (--precision amp-bf16, bf16...); "
+            f"{profile.name} is sm{''.join(map(str, profile.compute_capability or ()))} with "
+            f"{config.precision.value}: use --attn sdpa")
+
+
 def _measure_cpu_overhead(spec: Any, inputs: Any, config: Any) -> int:
     """The CPU runtime's memory beyond tensors for this model (batchfit.realrun.cpu_overhead)."""
     from batchfit.realrun.cpu_overhead import measure_cpu_overhead
@@ -289,10 +374,13 @@ def _measure_cpu_overhead(spec: Any, inputs: Any, config: Any) -> int:
 
 
 def _context_length(spec: Any) -> int | None:
-    """The model's maximum positions, read from its config (built on meta)."""
+    """The model's maximum positions, from its config (HF specs carry it; other models are
+    built on meta to read it)."""
     from batchfit.engine.fake import build_on_meta
     from batchfit.models.resolve import _max_positions
 
+    if getattr(spec, "max_positions", None):
+        return spec.max_positions
     built = build_on_meta(spec.factory)
     config = getattr(built, "config", None)
     return _max_positions(config) if config is not None else None
@@ -339,8 +427,8 @@ def search_cmd(
         "CUDA: the allocator's limit (what if my card were smaller)"),
     steps_per_trial: int = typer.Option(2, "--steps-per-trial", help="real steps per trial (>= 2)"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
-    checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
+    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: Optional[str] = PrecOpt,
+    checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,
     model_kwargs: Optional[list[str]] = KwargsOpt,
     as_json: bool = JsonOpt, debug: bool = DebugOpt,
 ) -> None:
@@ -413,8 +501,8 @@ def bench_cmd(
     alignment: bool = typer.Option(False, "--alignment",
                                    help="measure B against multiples of 8, powers of two, B±1"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
-    checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
+    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: Optional[str] = PrecOpt,
+    checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,
     model_kwargs: Optional[list[str]] = KwargsOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
@@ -526,6 +614,11 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    # torchao (which peft imports) registers pytree types that torch's logger then warns
+    # about on stderr, twice per run
+    import logging
+
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     # The cyclic collector would walk the objects torch and the model library create
     # while they import, again and again (0.64 s in 6 walks of a 12 s `max`); _setup()
     # freezes them once they exist and turns it back on (batchfit/_gc.py).

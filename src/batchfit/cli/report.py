@@ -81,9 +81,19 @@ def render_estimate(est: Any) -> Group:
     if est.top_modules:
         lines.append(modules_table(est.top_modules, est.total_bytes))
     lines.append(Text(est.explain(), style="italic"))
+    if getattr(est, "host_backed_bytes", 0):
+        lines.append(Text(host_backed_note(est.host_backed_bytes), style="cyan"))
     for warning in est.warnings:
         lines.append(Text(f"warning: {warning}", style="yellow"))
     return Group(*lines)
+
+
+def host_backed_note(nbytes: int) -> str:
+    """One line on paged optimizer state (unified memory), which the total leaves out."""
+    return (f"paged optimizer state: {format_bytes(nbytes)} in unified memory, not counted "
+            "above: it lives in host RAM and pages onto the GPU only while optimizer.step "
+            "touches it, into memory the allocator leaves free (never an out-of-memory error; "
+            "PCIe traffic instead)")
 
 
 def render_max_batch(result: Any, model: str) -> Group:
@@ -116,6 +126,8 @@ def render_max_batch(result: Any, model: str) -> Group:
     if est.top_modules:
         lines.append(modules_table(est.top_modules, est.total_bytes))
     lines.append(Text(est.explain(), style="italic"))
+    if getattr(est, "host_backed_bytes", 0):
+        lines.append(Text(host_backed_note(est.host_backed_bytes), style="cyan"))
     constraint = result.binding_constraint.value
     lines.append(Text(f"binding constraint: {constraint}" + (f" ({result.note})" if result.note else "")
                       + f"; {result.traces} traces"))

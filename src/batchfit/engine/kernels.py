@@ -311,3 +311,18 @@ def scalar_reads() -> Iterator[None]:
         yield
     finally:
         _SCALAR_READS.reset(token)
+
+
+#: Custom ops known to allocate exactly their outputs (read from their kernels' sources), so
+#: the trace need not warn that only their outputs are traced.
+_OUTPUTS_ONLY: set[str] = set()
+
+
+def register_outputs_only(*ops: str) -> None:
+    """Declare custom ops (``namespace.op.overload`` strings) that allocate only their
+    outputs on the target."""
+    _OUTPUTS_ONLY.update(ops)
+
+
+def is_outputs_only(op: str) -> bool:
+    return op in _OUTPUTS_ONLY

@@ -29,8 +29,8 @@ from torch import nn
 
 from batchfit._gc import old_objects_frozen
 from batchfit.engine import _torch_internals as ti
-from batchfit.engine.kernels import (decomposition_for, scalar_reads_allowed, scratch_for,
-                                     size_fix_for)
+from batchfit.engine.kernels import (decomposition_for, is_outputs_only, scalar_reads_allowed,
+                                     scratch_for, size_fix_for)
 
 
 class Category(StrEnum):
@@ -239,7 +239,8 @@ class Tracer:
                 op = str(func)
                 module = self.current_module()
                 namespace = op.split(".", 1)[0]
-                if namespace not in _CUSTOM_NAMESPACES_OK and op not in self.custom_ops:
+                if (namespace not in _CUSTOM_NAMESPACES_OK and op not in self.custom_ops
+                        and not is_outputs_only(op)):
                     self.custom_ops[op] = module
             category = self._category_for(func, args)
             self._add(found[0], found[1], category, module, op, real_sizes.get(index))

@@ -90,6 +90,7 @@ class ModelSpec:
         default_seq_len: the model's default sequence length (``input_spec`` holds the one
             in use, after any ``seq_len`` override).
         hf_labels: the batch carries ``labels`` so the HF model computes its own loss.
+        max_positions: the model's context length from its config (HF models).
     """
 
     name: str
@@ -100,6 +101,7 @@ class ModelSpec:
     vocab_size: int | None = None
     default_seq_len: int | None = None
     hf_labels: bool = False
+    max_positions: int | None = None
 
 
 class HFTask(StrEnum):
@@ -131,7 +133,7 @@ _SPEC_FORMS = "use timm:NAME, torchvision:NAME, hf:NAME or path/to/file.py:facto
 
 def resolve_model(spec: str, *, model_kwargs: Mapping[str, Any] | None = None,
                   seq_len: int | None = None,
-                  input_shape: tuple[int, ...] | None = None) -> ModelSpec:
+                  input_shape: tuple[int, ...] | None = None, packing: bool = False) -> ModelSpec:
     """Resolve a model string into a :class:`ModelSpec` without building anything for real.
 
     Args:
@@ -141,6 +143,8 @@ def resolve_model(spec: str, *, model_kwargs: Mapping[str, Any] | None = None,
             user factory (see :func:`parse_model_kwargs`).
         seq_len: sequence length of a token model (overrides its default).
         input_shape: per-sample input shape of a non-token model (overrides its default).
+        packing: token models: several documents per row, given to the model as
+            ``position_ids`` that restart per document (TRL's ``padding_free`` packing).
 
     Raises:
         ModelSpecError: the spec names no model, or a needed package is missing.
@@ -177,7 +181,19 @@ def resolve_model(spec: str, *, model_kwargs: Mapping[str, Any] | None = None,
         resolved = _resolve_hf(text, rest.strip(), kwargs, seq_len)
     else:
         resolved = _resolve_bare(text, kwargs, seq_len, input_shape)
-    return _apply_input_overrides(resolved, seq_len, input_shape)
+    resolved = _apply_input_overrides(resolved, seq_len, input_shape)
+    return _with_packing(resolved) if packing else resolved
+
+
+def _with_packing(spec: ModelSpec) -> ModelSpec:
+    """Add ``position_ids`` (one per token, the sequence's length long) to a token model's
+    inputs: the values (where documents restart) set no shape, so any layout traces alike."""
+    if not spec.is_token_model or not isinstance(spec.input_spec, Mapping):
+        raise InvalidInputError(
+            f"--packing applies to Hugging Face token models; '{spec.name}' is not one")
+    tokens = _token_tensor(spec.input_spec)
+    positions = TensorSpec(tokens.shape, "int64", low=0, high=tokens.shape[0])
+    return replace(spec, input_spec={**spec.input_spec, "position_ids": positions})
 
 
 def parse_model_kwargs(items: Sequence[str]) -> dict[str, Any]:
@@ -475,7 +491,7 @@ def _hf_spec(user_spec: str, source: _HFSource, kwargs: dict[str, Any],
     return ModelSpec(name=user_spec, factory=factory,
                      input_spec=_hf_input_spec(config, task, vocab_size, default_len),
                      is_token_model=True, vocab_size=vocab_size, default_seq_len=default_len,
-                     hf_labels=True)
+                     hf_labels=True, max_positions=_max_positions(config))
 
 
 def _hf_config(transformers: Any, source: _HFSource, overrides: Mapping[str, Any]) -> Any:

@@ -62,6 +62,9 @@ def build_bnb_optimizer(name: str, params: list[torch.nn.Parameter], kwargs: dic
     import bitsandbytes as bnb
 
     from batchfit.engine._torch_internals import no_dispatch_modes
+    from batchfit.engine.workloads.runtime import register_bnb_decompositions
+
+    register_bnb_decompositions()  # and its ops known to allocate only their outputs
 
     cls_name, defaults = BNB_OPTIMIZERS[name]
     cls = getattr(bnb.optim, cls_name)

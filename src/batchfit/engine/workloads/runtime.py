@@ -129,9 +129,17 @@ def register_bnb_decompositions() -> None:
     """Register the bitsandbytes ops traced as their kernels' sub-ops (once)."""
     import bitsandbytes  # noqa: F401 - defines torch.ops.bitsandbytes
 
-    from batchfit.engine.kernels import register_decomposition
+    from batchfit.engine.kernels import register_decomposition, register_outputs_only
 
     register_decomposition(torch.ops.bitsandbytes.gemm_4bit.default, _gemm_4bit)
+    # backends/cuda/ops.py: these allocate their outputs with torch.empty and run one kernel
+    # into them (dequantize_4bit, dequantize_blockwise, quantize_4bit, quantize_blockwise);
+    # the optimizer updates write in place and return nothing; the int8 matmul's output is
+    # its int32 product (cuBLASLt's own workspace is not counted).
+    register_outputs_only(*(f"bitsandbytes.{name}.default" for name in (
+        "dequantize_4bit", "dequantize_blockwise", "quantize_4bit", "quantize_blockwise",
+        "optimizer_update_8bit_blockwise", "optimizer_update_32bit", "int8_linear_matmul",
+        "int8_vectorwise_dequant", "int8_double_quant")))
 
 
 # -- bitsandbytes LLM.int8 on a CUDA target ----------------------------------------------------
