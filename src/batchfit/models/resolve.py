@@ -472,6 +472,16 @@ def load_hf_config(name: str, model_kwargs: Mapping[str, Any] | None = None) -> 
     return _hf_config(_import_optional("transformers"), source, kwargs)
 
 
+def checkpoint_dtype(name: str) -> str | None:
+    """The dtype ``hf:NAME``'s checkpoint is stored in (its config's ``torch_dtype``), which a
+    serving engine loads it in; None when the config does not say."""
+    source = _hf_source(str(name).strip().removeprefix("hf:"))
+    if source is None:
+        raise _unknown_hf_error(name)
+    value = source.config.get("torch_dtype") or source.config.get("dtype")
+    return str(value).removeprefix("torch.") if value else None
+
+
 def _hf_spec(user_spec: str, source: _HFSource, kwargs: dict[str, Any],
              seq_len: int | None) -> ModelSpec:
     transformers = _import_optional("transformers")
