@@ -669,6 +669,9 @@ def main() -> None:
     # --json on stdout and bury the answer; batchfit's own warnings are in its results.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # bitsandbytes wraps CPU kernels a trace never runs in torch.compile at import, which
+    # pulls in torch._inductor (~5 s); this process only traces (engine/workloads/build.py)
+    os.environ.setdefault("BATCHFIT_BNB_NO_COMPILE", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     # torchao (which peft imports) registers pytree types that torch's logger then warns

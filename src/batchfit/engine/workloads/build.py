@@ -54,6 +54,31 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
+def import_bitsandbytes() -> Any:
+    """``import bitsandbytes``. With ``BATCHFIT_BNB_NO_COMPILE=1`` (the CLI sets it for its
+    own process), ``torch.compile`` is an identity while bitsandbytes imports: its CPU
+    fallback kernels are wrapped in ``torch.compile`` at import, which imports
+    ``torch._inductor`` (about 5 s here), and a trace never calls them."""
+    import os
+    import sys
+
+    if "bitsandbytes" in sys.modules or os.environ.get("BATCHFIT_BNB_NO_COMPILE") != "1":
+        import bitsandbytes
+
+        return bitsandbytes
+
+    def identity(fn: Any = None, **kwargs: Any) -> Any:
+        return fn if fn is not None else (lambda f: f)
+
+    saved = torch.compile
+    torch.compile = identity
+    try:
+        import bitsandbytes
+    finally:
+        torch.compile = saved
+    return bitsandbytes
+
+
 def compute_dtype(quant: QuantSpec, precision: Any) -> torch.dtype:
     """``bnb_4bit_compute_dtype``: given, or the precision's 16-bit type (fp32 otherwise)."""
     if quant.compute_dtype is not None:
@@ -70,6 +95,8 @@ def apply_workload(model: nn.Module, workload: Any, *, precision: Any, checkpoin
     must already be in the precision's weight dtype (the dtype a checkpoint is loaded in).
     """
     with _quiet():
+        if workload.quant is not None or workload.lora is not None:
+            import_bitsandbytes()  # before peft, which imports it (see import_bitsandbytes)
         if workload.quant is not None:
             model = quantize(model, workload.quant, compute_dtype(workload.quant, precision))
             if workload.quant.prepare and training:
@@ -96,7 +123,7 @@ def _bnb_config(quant: QuantSpec, dtype: torch.dtype) -> Any:
 def quantize(model: nn.Module, quant: QuantSpec, dtype: torch.dtype) -> nn.Module:
     """Swap linear layers for bitsandbytes ones through transformers' quantizer, then
     quantize each weight with bitsandbytes (on the weight's own device: meta or real)."""
-    import bitsandbytes as bnb
+    bnb = import_bitsandbytes()
     from transformers.quantizers import AutoHfQuantizer
 
     linear = [n for n, m in model.named_modules() if type(m) is nn.Linear]

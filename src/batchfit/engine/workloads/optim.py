@@ -59,11 +59,11 @@ def build_bnb_optimizer(name: str, params: list[torch.nn.Parameter], kwargs: dic
     The optimizer is constructed with every dispatch mode off: its code books are built
     with ``.tolist()``, which a fake tensor cannot answer.
     """
-    import bitsandbytes as bnb
-
     from batchfit.engine._torch_internals import no_dispatch_modes
+    from batchfit.engine.workloads.build import import_bitsandbytes
     from batchfit.engine.workloads.runtime import register_bnb_decompositions
 
+    bnb = import_bitsandbytes()
     register_bnb_decompositions()  # and its ops known to allocate only their outputs
 
     cls_name, defaults = BNB_OPTIMIZERS[name]

@@ -127,7 +127,9 @@ def _cuda_dequant_linear_fallback(A, B, shapeB, absmax, blocksize, quant_type, b
 @functools.cache
 def register_bnb_decompositions() -> None:
     """Register the bitsandbytes ops traced as their kernels' sub-ops (once)."""
-    import bitsandbytes  # noqa: F401 - defines torch.ops.bitsandbytes
+    from batchfit.engine.workloads.build import import_bitsandbytes
+
+    import_bitsandbytes()  # defines torch.ops.bitsandbytes
 
     from batchfit.engine.kernels import register_decomposition, register_outputs_only
 
