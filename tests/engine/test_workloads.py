@@ -188,3 +188,25 @@ def test_quant_needs_linear_layers():
 
     with pytest.raises(InvalidInputError, match="no nn.Linear layer"):
         trace_step(convnet, (3, 8, 8), 1, TrainConfig(lora="r=4", quant="nf4"), _cpu())
+
+
+def test_gradient_accumulation_keeps_gradients_through_the_next_micro_batch():
+    # with two micro-batches, the first one's LoRA gradients (r x (in + out) fp32 values per
+    # adapted layer) are live while the second one runs forward
+    config = TrainConfig(lora="r=8,targets=all-linear", grad_accum_steps=2)
+    trace = trace_step(tiny_llama, SPEC, 2, config, _cpu())
+    grads = 4 * LAYERS * sum(8 * (o + i) for o, i in LINEARS)
+    live, category, seen = {}, {}, []
+    for event in trace.steady_events:
+        if event.kind is EventKind.ALLOC:
+            live[event.key], category[event.key] = event.nbytes, event.category
+        elif event.kind is EventKind.FREE:
+            live.pop(event.key, None)
+        else:
+            category[event.key] = event.category
+        if event.phase is Phase.FORWARD:
+            seen.append(sum(n for k, n in live.items() if category[k] is Category.GRADIENTS))
+    assert max(seen) == grads and min(seen) == 0  # none in the first, all in the second
+    single = trace_step(tiny_llama, SPEC, 2, TrainConfig(lora="r=8,targets=all-linear"), _cpu())
+    assert not any(e.category is Category.GRADIENTS and e.phase is Phase.FORWARD
+                   for e in single.steady_events)

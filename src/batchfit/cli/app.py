@@ -182,7 +182,9 @@ def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str, 
         precision=parse_enum(Precision, precision, "precision"),
         checkpointing=checkpointing, channels_last=channels_last,
         lora=llm.lora, quant=llm.quant, loss=llm.loss, grad_accum_steps=llm.grad_accum,
-        use_reentrant=llm.use_reentrant, packing=llm.packing)
+        use_reentrant=llm.use_reentrant,
+        # flash attention takes packed rows as varlen sequences and builds no mask
+        packing=llm.packing and _ATTN.get((llm.attn or "sdpa").strip().lower()) != "flash")
     if config.quant is not None and config.lora is None and config.mode is Mode.TRAIN:
         raise InvalidInputError(
             f"--quant {config.quant.method.value} freezes the quantized base weights, so "
