@@ -137,31 +137,25 @@ def _serving_dtype(model: str, dtype: str) -> str:
     return "float16" if stored in (None, "float32") else stored
 
 
-def _base_model(config: Any, dtype: str) -> Any:
-    """The serving model's decoder stack (no LM head): what the profile forward runs."""
-    from batchfit.models.resolve import _build_hf, HFTask
-
-    full = _build_hf(config, HFTask.CAUSAL_LM, "sdpa")
-    return full.base_model
-
-
-def _weights_bytes(config: Any, dtype: str) -> int:
-    """Bytes of every parameter and persistent buffer of the model in ``dtype``."""
+def _meta_model(config: Any, dtype: str) -> Any:
+    """The causal LM on meta, in ``dtype``."""
     import torch
 
     from batchfit.engine.fake import build_on_meta
     from batchfit.engine.step import torch_dtype
-    from batchfit.models.resolve import _build_hf, HFTask
+    from batchfit.models.resolve import HFTask, _build_hf
 
     previous = torch.get_default_dtype()
     try:
         torch.set_default_dtype(torch_dtype(dtype))
-        model = build_on_meta(functools.partial(_build_hf, config, HFTask.CAUSAL_LM, "sdpa"))
+        return build_on_meta(functools.partial(_build_hf, config, HFTask.CAUSAL_LM, "sdpa"))
     finally:
         torch.set_default_dtype(previous)
-    size = torch_dtype(dtype).itemsize
-    return sum(p.numel() * (size if p.is_floating_point() else p.element_size())
-               for p in model.parameters())
+
+
+def _weights_bytes(model: Any) -> int:
+    """Bytes of every parameter of ``model`` (tied weights once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | str = "vllm",
@@ -239,12 +233,14 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
     if quant is not None:
         raise InvalidInputError("--quant applies to --engine hf (bitsandbytes in transformers)")
     key = (model, repr(sorted((model_kwargs or {}).items())), chosen)
-    if key not in _WEIGHTS:
-        _WEIGHTS[key] = _weights_bytes(config, chosen)
-    weights = _WEIGHTS[key]
     run = (*key, profile.compute_capability, max_num_batched_tokens, max_num_seqs)
+    built = None
+    if key not in _WEIGHTS or run not in _PROFILE_RUNS:
+        built = _meta_model(config, chosen)  # once for both (a 70B build: ~2.5 s)
+        _WEIGHTS[key] = _weights_bytes(built)
+    weights = _WEIGHTS[key]
     if run not in _PROFILE_RUNS:  # the same forward whatever the cache's dtype or size
-        _PROFILE_RUNS[run] = _profile_activation(config, chosen, profile,
+        _PROFILE_RUNS[run] = _profile_activation(built.base_model, config, chosen, profile,
                                                  max_num_batched_tokens, max_num_seqs)
     activation = _PROFILE_RUNS[run]
     non_torch = DEFAULT_NON_TORCH_BYTES if non_torch_bytes is None else int(non_torch_bytes)
@@ -277,8 +273,8 @@ def _kinds(caches: list[LayerCache]) -> dict[str, int]:
     return counts
 
 
-def _profile_activation(config: Any, dtype: str, profile: DeviceProfile, tokens: int,
-                        max_num_seqs: int) -> int:
+def _profile_activation(base: Any, config: Any, dtype: str, profile: DeviceProfile,
+                        tokens: int, max_num_seqs: int) -> int:
     """The profile run's torch peak beyond the weights: the traced decoder forward over
     ``tokens`` tokens, or the sampler run (hidden states + logits rows), the larger."""
     from batchfit.answers.estimate import estimate
@@ -289,8 +285,7 @@ def _profile_activation(config: Any, dtype: str, profile: DeviceProfile, tokens:
     config_infer = TrainConfig(mode="infer", precision=precision)
     vocab = int(getattr(config, "vocab_size", 32000))
     spec = {"input_ids": TensorSpec((tokens,), "int64", low=0, high=vocab)}
-    est = estimate(functools.partial(_base_model, config, dtype), spec, 1, config_infer,
-                   device=profile, first_step=False)
+    est = estimate(base, spec, 1, config_infer, device=profile, first_step=False)
     held = est.by_category
     weights_in_trace = held.get(Category.PARAMETERS, 0) + held.get(Category.BUFFERS, 0)
     forward = est.peak_allocated_bytes - weights_in_trace
