@@ -210,3 +210,45 @@ def test_gradient_accumulation_keeps_gradients_through_the_next_micro_batch():
     single = trace_step(tiny_llama, SPEC, 2, TrainConfig(lora="r=8,targets=all-linear"), _cpu())
     assert not any(e.category is Category.GRADIENTS and e.phase is Phase.FORWARD
                    for e in single.steady_events)
+
+
+def _allocations(trace):
+    return [e for e in trace.steady_events if e.kind is EventKind.ALLOC]
+
+
+def test_chunked_loss_never_holds_the_whole_logits():
+    pytest.importorskip("liger_kernel")
+    # Liger's fused linear cross-entropy over BT = 3 x 64 rows, H = 256, V = 1000:
+    # inc_factor = ceil(V / H) = 4, chunk = next_pow2(ceil(192 / 4)) = 64 rows of logits
+    config = TrainConfig(lora="r=8,targets=all-linear", precision="bf16")
+    standard = trace_step(tiny_llama, SPEC, 3, config, _gpu())
+    chunked = trace_step(tiny_llama, SPEC, 3, TrainConfig(
+        lora="r=8,targets=all-linear", precision="bf16", loss="chunked"), _gpu())
+    full = 3 * 64 * V * 2  # the bf16 logits of every position
+    assert full in [e.nbytes for e in _allocations(standard)]
+    sizes = [e.nbytes for e in _allocations(chunked)]
+    assert full not in sizes and 2 * full not in sizes  # nor their fp32 upcast
+    assert 64 * V * 2 in sizes  # one chunk's logits
+
+
+def test_packing_builds_the_block_diagonal_mask_for_sdpa_only():
+    from batchfit.models.resolve import resolve_model
+
+    tokens = 96
+    plain = resolve_model("hf:Qwen/Qwen3-0.6B", seq_len=tokens, model_kwargs={
+        "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 512})
+    packed = resolve_model("hf:Qwen/Qwen3-0.6B", seq_len=tokens, packing=True, model_kwargs={
+        "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 512})
+    assert "position_ids" in packed.input_spec and "position_ids" not in plain.input_spec
+    mask = 2 * 1 * tokens * tokens  # (batch, 1, seq, seq) booleans
+    config = TrainConfig(lora="r=4", precision="bf16")
+    without = trace_step(plain.factory, plain.input_spec, 2, config, _gpu())
+    with_packing = trace_step(packed.factory, packed.input_spec, 2,
+                              TrainConfig(lora="r=4", precision="bf16", packing=True), _gpu())
+    from collections import Counter
+
+    extra = Counter(e.nbytes for e in _allocations(with_packing)) - Counter(
+        e.nbytes for e in _allocations(without))
+    assert extra[mask] >= 1  # built once the packed positions are seen
