@@ -164,8 +164,8 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
                    max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                    non_torch_bytes: int | None = None, total_memory_bytes: int | None = None,
                    batch_size: int = 1, prompt_len: int | None = None, new_tokens: int = 256,
-                   model_kwargs: dict[str, Any] | None = None, quant: str | None = None
-                   ) -> ServeResult:
+                   model_kwargs: dict[str, Any] | None = None, quant: Any = None,
+                   all_logits: bool = False) -> ServeResult:
     """How many tokens of KV cache and concurrent sequences fit (see the module docstring).
 
     Args:
@@ -182,6 +182,8 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
         batch_size, prompt_len, new_tokens: ``engine=hf``'s generate call.
         model_kwargs: config overrides.
         quant: ``engine=hf``: bitsandbytes weights (nf4, nf4-dq, fp4, fp4-dq, int8).
+        all_logits: ``engine=hf``: the prefill computes every prompt position's logits, as
+            ``generate`` did before transformers 4.45 (``logits_to_keep``).
 
     Example:
         >>> r = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="A100 80GB", max_model_len=4096,
@@ -229,7 +231,7 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
     caches = layer_caches(config, dtype_bytes(kv_name), state_bytes=dtype_bytes(chosen))
     if engine is Engine.HF:
         return _serve_hf(model, config, profile, chosen, kv_name, caches, max_model_len,
-                         batch_size, prompt_len, new_tokens, quant)
+                         batch_size, prompt_len, new_tokens, quant, all_logits)
     if quant is not None:
         raise InvalidInputError("--quant applies to --engine hf (bitsandbytes in transformers)")
     key = (model, repr(sorted((model_kwargs or {}).items())), chosen)
@@ -326,7 +328,8 @@ def _first_layer(module: str) -> str:
 
 def _serve_hf(model: str, config: Any, profile: DeviceProfile, dtype: str, kv_name: str,
               caches: list[LayerCache], max_model_len: int, batch_size: int,
-              prompt_len: int | None, new_tokens: int, quant: str | None) -> ServeResult:
+              prompt_len: int | None, new_tokens: int, quant: Any,
+              all_logits: bool = False) -> ServeResult:
     """``model.generate``: the traced prefill, then the decode steps' growth."""
     from batchfit.answers.estimate import estimate
     from batchfit.engine.spec import TensorSpec, TrainConfig
@@ -341,7 +344,7 @@ def _serve_hf(model: str, config: Any, profile: DeviceProfile, dtype: str, kv_na
     train = TrainConfig(mode="infer", precision=precision, quant=quant)
     vocab = int(getattr(config, "vocab_size", 32000))
     spec = {"input_ids": TensorSpec((prompt_len,), "int64", low=0, high=vocab)}
-    factory = functools.partial(_generate_model, config)
+    factory = functools.partial(_generate_model, config, all_logits)
     prefill = estimate(factory, spec, batch_size, train, device=profile, first_step=False)
     prefill_one = estimate(factory, spec, 1, train, device=profile, first_step=False) \
         if batch_size != 1 else prefill
@@ -349,13 +352,16 @@ def _serve_hf(model: str, config: Any, profile: DeviceProfile, dtype: str, kv_na
     per_token = kv_bytes_per_token(caches)
     state = sum(c.state_bytes for c in caches)
     final = prompt_len + new_tokens
-    largest_layer = max((c.bytes_per_token for c in caches), default=0)
+    # transformers' DynamicCache keeps a sliding-window layer's last `window` tokens only
+    held = [c.bytes_per_token * (min(final, c.window) if c.kind is CacheKind.SLIDING
+                                 and c.window else final) for c in caches]
+    cache_at_end = sum(held) + state
     size = dtype_bytes(dtype)
 
     def decode_peak(batch: int) -> int:
         # weights + the whole cache at the last step + the new K/V of one layer made by
         # torch.cat while the old ones live + a row of logits (model dtype and float32)
-        return (weights + batch * (per_token * final + state + largest_layer * final)
+        return (weights + batch * (cache_at_end + max(held, default=0))
                 + batch * vocab * (size + 4))
 
     def prefill_peak(batch: int) -> int:
@@ -377,16 +383,17 @@ def _serve_hf(model: str, config: Any, profile: DeviceProfile, dtype: str, kv_na
             high = mid
     largest = low
     hf = {"batch_size": batch_size, "prompt_len": prompt_len, "new_tokens": new_tokens,
+          "all_logits": all_logits,
           "prefill_peak_bytes": prefill.peak_reserved_bytes,
           "prefill_allocated_bytes": prefill.peak_allocated_bytes,
           "decode_peak_bytes": decode_peak(batch_size), "peak_bytes": peak,
           "total_bytes": peak + profile.context_bytes, "max_batch_size": largest,
           "quant": quant}
-    concurrency = (budget - weights) / max(1, per_token * final + state)
+    concurrency = (budget - weights) / max(1, cache_at_end)
     return ServeResult(
         engine=Engine.HF, model=model, device=profile, dtype=dtype, kv_dtype=kv_name,
         weights_bytes=weights, activation_peak_bytes=peak - weights, non_torch_bytes=0,
-        requested_bytes=budget, kv_cache_bytes=batch_size * (per_token * final + state),
+        requested_bytes=budget, kv_cache_bytes=batch_size * cache_at_end,
         kv_bytes_per_token=per_token, state_bytes_per_sequence=state, plan=None,
         max_model_len=max_model_len, max_concurrency=concurrency, layer_kinds=_kinds(caches),
         hf=hf)
@@ -405,10 +412,16 @@ def _prefill_kwargs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
     return args, {**kwargs, "use_cache": True, "logits_to_keep": 1}
 
 
-def _generate_model(config: Any) -> Any:
+def _prefill_all_logits(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``generate`` before transformers 4.45: every prompt position's logits."""
+    return args, {**kwargs, "use_cache": True}
+
+
+def _generate_model(config: Any, all_logits: bool = False) -> Any:
     """The causal LM, its forward called as ``generate``'s prefill calls it."""
     from batchfit.models.resolve import HFTask, _build_hf
 
     model = _build_hf(config, HFTask.CAUSAL_LM, "sdpa")
-    model.register_forward_pre_hook(_prefill_kwargs, with_kwargs=True)
+    model.register_forward_pre_hook(_prefill_all_logits if all_logits else _prefill_kwargs,
+                                    with_kwargs=True)
     return model

@@ -623,6 +623,9 @@ def serve_cmd(
     new_tokens: int = typer.Option(256, "--new-tokens", help="--engine hf: generated tokens"),
     quant: Optional[str] = typer.Option(None, "--quant", help="--engine hf: bitsandbytes "
                                         "weights (nf4, nf4-dq, fp4, fp4-dq, int8)"),
+    all_logits: bool = typer.Option(False, "--all-logits", help="--engine hf: the prefill "
+                                    "computes every prompt position's logits "
+                                    "(transformers < 4.45)"),
     model_kwargs: Optional[list[str]] = KwargsOpt,
     as_json: bool = JsonOpt, debug: bool = DebugOpt,
 ) -> None:
@@ -640,7 +643,8 @@ def serve_cmd(
                 non_torch_bytes=parse_size(non_torch, allow_zero=True) if non_torch else None,
                 total_memory_bytes=parse_size(total_memory) if total_memory else None,
                 batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
-                model_kwargs=parse_model_kwargs(model_kwargs or []), quant=quant)
+                model_kwargs=parse_model_kwargs(model_kwargs or []), quant=quant,
+                all_logits=all_logits)
         if as_json:
             _emit_json(result.to_dict())
             return
