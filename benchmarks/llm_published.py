@@ -13,6 +13,10 @@ sets are held out.
    ``prepare_model_for_kbit_training`` (fp32 embeddings and head) with reentrant
    checkpointing. Metric: maximum context (a fit boundary) per "GPU VRAM"; "OOM" means even
    the shortest did not fit. The cards are modelled as sm80 GPUs with that many GiB.
+   The blog states the model, 4-bit QLoRA, rank 32 on all linear layers, batch 1 and padding
+   to the length; the optimizer (8-bit AdamW) and the checkpointing mode are not stated and
+   are taken from Unsloth's notebooks. The 70B rows are Llama 3.3 70B Instruct, whose
+   architecture is Llama-3.1-70B's (the offline config used).
 2. Hugging Face, "Optimizing LLMs for Speed and Memory" (transformers docs,
    llm_tutorial_optimization.md): bigcode/octocoder on an A100 40GB, ``pipeline`` with a
    20-token prompt and ``max_new_tokens=60``, batch 1, ``torch.cuda.max_memory_allocated()``:
