@@ -31,6 +31,14 @@ sets are held out.
       benchmark_throughput defaults (profile of max(max_model_len, 2048) = 4,096 tokens over
       256 sequences), peak from torch's allocator only (non-torch 0), "Current main:
       # GPU blocks: 7449".
+   c. vllm-project/vllm#10511 (vLLM 0.6.5 development, V0, the memory-profiling overhaul;
+      youkaichao's sanity check, 2024-12-14): ``vllm serve meta-llama/Meta-Llama-3-8B`` with
+      the defaults (gpu_memory_utilization 0.9, max_model_len 8,192, so chunked prefill off
+      and the profile forward is 8,192 tokens over 256 sequences) on an H100 whose CUDA
+      total is 79.22 GiB; printed: "model weights take 14.96GiB", "non_torch_memory
+      1.79GiB" (taken as given), "PyTorch activation peak memory 1.26GiB" (torch's peak
+      allocated during the profile run minus the weights), "available_kv_cache_memory
+      53.29GiB". Held out.
 
 Usage: nice python benchmarks/llm_published.py [--only unsloth|octocoder|vllm]
 Writes benchmarks/results/llm_published.json and .md.
@@ -126,6 +134,17 @@ def vllm() -> list[dict]:
                        non_torch_bytes=0)
     rows.append(_row("vllm", "Llama-2-7B, A100-80GB, vLLM 0.2", "# GPU blocks", 7449,
                      r.plan.num_blocks, time.perf_counter() - start, "held-out"))
+    start = time.perf_counter()
+    r = serve_capacity("hf:meta-llama/Meta-Llama-3-8B", device="H100", max_model_len=8192,
+                       max_num_batched_tokens=8192, total_memory_bytes=int(79.22 * GiB),
+                       non_torch_bytes=int(1.79 * GiB))
+    seconds = time.perf_counter() - start
+    case = "Meta-Llama-3-8B, H100, vLLM 0.6.5 (#10511)"
+    for metric, published, predicted in (
+            ("model weights GiB (allocated)", 14.96, r.weights_bytes / GiB),
+            ("activation peak GiB (allocated)", 1.26, r.activation_peak_bytes / GiB),
+            ("available KV cache GiB", 53.29, r.kv_cache_bytes / GiB)):
+        rows.append(_row("vllm", case, metric, published, predicted, seconds, "held-out"))
     return rows
 
 

@@ -37,6 +37,11 @@ _LAZY = {
     "bench": "batchfit.speed.bench",
     "BenchResult": "batchfit.speed.bench",
     "predict_throughput": "batchfit.speed.roofline",
+    "noise_scale": "batchfit.stats.measure",
+    "NoiseScale": "batchfit.stats.estimator",
+    "NoiseScaleMonitor": "batchfit.stats.monitor",
+    "recommend_batch_size": "batchfit.stats.recommend",
+    "Recommendation": "batchfit.stats.recommend",
     "find_batch_size": "batchfit.integrations.decorator",
     "FoundBatchSize": "batchfit.integrations._trials",
 }

@@ -320,3 +320,34 @@ def test_debug_shows_the_traceback():
     result = invoke("max", "timm:resnet18", "--gpu", "RTX 3009", "--debug")
     assert result.exit_code != 0
     assert result.exception is not None
+
+
+def test_bench_cpu_without_memory_uses_available_memory_within_its_time_budget(factory_file):
+    # issue 14 items 2 and 3: no --memory on the CPU means the memory the machine has
+    # available (said on stderr and in the JSON); inference of a small MLP fits tens of
+    # thousands of samples there, and the time budget keeps the sweep short; one progress
+    # line per measurement on stderr in --json mode
+    import time
+
+    started = time.perf_counter()
+    result = invoke("bench", f"{factory_file}:mlp", "--input", "128", "--device", "cpu",
+                    "--mode", "infer", "--time-budget", "20s", "--json")
+    took = time.perf_counter() - started
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["memory_source"] == "available" and data["time_budget_s"] == 20
+    assert data["max_batch_size"] > 10_000
+    measured = [p for p in data["points"] if p["fits"]]
+    assert 1 <= len(measured) <= 8
+    assert data["elapsed_s"] <= 20 + 3  # a last point may overrun its predicted time a little
+    assert took < 60
+    assert "this machine has available" in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("bench: batch")]
+    assert len(lines) >= len(data["points"])  # each measurement (confirmations too), skips
+
+
+def test_bench_time_budget_zero_is_bad_input(factory_file):
+    result = invoke("bench", f"{factory_file}:mlp", "--input", "128", "--device", "cpu",
+                    "--time-budget", "0")
+    assert result.exit_code == 2
+    assert "must be positive" in result.output

@@ -80,3 +80,23 @@ def test_qlora_estimate_json():
     assert data["trainable_parameter_count"] == 8 * (128 + 96 + 96 + 128 + 192 * 3)
     assert data["host_backed_bytes"] == 0  # no adapter has the 100,000 elements paging needs
     assert data["total_bytes"] > data["peak_reserved_bytes"] > 0
+
+
+def test_llm_options_on_a_keras_model(tmp_path):
+    """A bitsandbytes optimizer or peft/bitsandbytes adapters on a Keras model: one line."""
+    pytest.importorskip("keras")
+    path = tmp_path / "km.py"
+    path.write_text(textwrap.dedent("""
+        def net():
+            import keras
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+            model.compile(optimizer="adam", loss="mse")
+            return model
+    """))
+    for extra, fragment in ((["--optimizer", "adamw8bit"], "trains with a Keras optimizer"),
+                            (["--lora", "r=4"], "is a Keras model"),
+                            (["--quant", "nf4", "--lora", "r=4"], "is a Keras model")):
+        result = invoke("estimate", f"{path}:net", "-b", "4", *extra)
+        assert result.exit_code == 2, result.output
+        assert fragment in result.output and "Traceback" not in result.output
+        assert len([line for line in result.output.splitlines() if line.strip()]) == 1

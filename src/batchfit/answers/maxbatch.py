@@ -239,7 +239,7 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
 
 
 def _trace_pool(trace: Callable[[int], Any], model: Any, profile: DeviceProfile,
-                reuse: TraceReuse, config: TrainConfig | None = None) -> TracePool:
+                reuse: TraceReuse, config: TrainConfig) -> TracePool:
     """A pool that traces two at a time for CUDA targets; a factory's model is built on
     meta first (with its LLM workload applied), so the worker forked later inherits it
     instead of building its own."""

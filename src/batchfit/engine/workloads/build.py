@@ -94,6 +94,13 @@ def apply_workload(model: nn.Module, workload: Any, *, precision: Any, checkpoin
     Returns the model to train (a ``PeftModel`` when LoRA is on). The model's parameters
     must already be in the precision's weight dtype (the dtype a checkpoint is loaded in).
     """
+    from batchfit.engine.keras_step import is_keras_model
+
+    if is_keras_model(model):
+        raise InvalidInputError(
+            f"--lora/--quant adapt torch modules with peft and bitsandbytes; "
+            f"{type(model).__name__} is a Keras model (Keras has its own model.enable_lora(rank) "
+            "and quantize()): drop --lora/--quant")
     with _quiet():
         if workload.quant is not None or workload.lora is not None:
             import_bitsandbytes()  # before peft, which imports it (see import_bitsandbytes)
