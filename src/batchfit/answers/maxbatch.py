@@ -104,6 +104,7 @@ class MaxBatchResult:
             "explanation": est.explain(),
             "evaluated": [list(pair) for pair in self.evaluated],
             "note": self.note,
+            "host_backed_bytes": est.host_backed_bytes,
         }
 
 
@@ -155,7 +156,8 @@ def _allocator_bytes(est: MemoryEstimate) -> int:
 def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *,
                    device: DeviceProfile | str | None = None, memory_bytes: int | None = None,
                    margin: float = 0.0, max_batch_limit: int = DEFAULT_MAX_BATCH_LIMIT,
-                   on_trace: Callable[[int], None] | None = None, **options: Any) -> MaxBatchResult:
+                   on_trace: Callable[[int], None] | None = None,
+                   fit_batches: tuple[int, int] | None = None, **options: Any) -> MaxBatchResult:
     """The largest batch size whose step fits the device.
 
     Args:
@@ -167,6 +169,11 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         margin: a fraction of memory kept free on top of the model (default 0).
         max_batch_limit: the largest answer reported; ``binding_constraint`` says when it binds.
         on_trace: called with each batch size before it is traced (progress display).
+        fit_batches: the two batch sizes traced first to interpolate the step (default 16
+            and 32). A workload whose answer is likely small (LLM fine-tuning at long
+            context: the weights fill the card) saves traces with ``(2, 3)``, since
+            the confirming pair is then the pair already traced (batch 1 cannot pair with
+            2 for LLMs: its trace has two ops fewer).
 
     Raises:
         NothingFits: batch 1 does not fit (``needed_bytes`` vs ``budget_bytes``).
@@ -197,7 +204,7 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
 
     with pool:
         answer = _answer_from_interpolation(peak, prefetch, traces, profile, budget,
-                                            max_batch_limit)
+                                            max_batch_limit, fit_batches or _FIT_BATCHES)
         if answer is None:
             answer = solve_max_batch(peak, budget,
                                      max_batch_limit=max_batch_limit).max_batch_size
@@ -234,9 +241,10 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
 def _trace_pool(trace: Callable[[int], Any], model: Any, profile: DeviceProfile,
                 reuse: TraceReuse, config: TrainConfig) -> TracePool:
     """A pool that traces two at a time for CUDA targets; a factory's model is built on
-    meta first, so the worker forked later inherits it instead of building its own."""
+    meta first (with its LLM workload applied), so the worker forked later inherits it
+    instead of building its own."""
     if profile.is_cuda:
-        reuse.build_model(model, config.precision.value)
+        reuse.build_model(model, config)
     return TracePool(trace, allowed=profile.is_cuda)
 
 
@@ -257,7 +265,8 @@ _FIT_BATCHES = (16, 32)
 
 def _answer_from_interpolation(peak: Callable[[int], int], prefetch: Callable[..., None],
                                traces: dict[int, StepTrace], device: DeviceProfile, budget: int,
-                               limit: int) -> int | None:
+                               limit: int, fit_batches: tuple[int, int] = _FIT_BATCHES
+                               ) -> int | None:
     """Solve on events interpolated from two traces, then confirm B* and B*+1 by tracing.
 
     When the step's op sequence does not depend on the batch size, every event of a
@@ -268,7 +277,7 @@ def _answer_from_interpolation(peak: Callable[[int], int], prefetch: Callable[..
     the guess fails its confirmation, nothing may fit (the solver then traces B=1 and
     says so), or the range is too small.
     """
-    small, large = _FIT_BATCHES
+    small, large = fit_batches
     if limit <= large:
         return None
     prefetch(small, large)

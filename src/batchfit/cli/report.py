@@ -81,9 +81,19 @@ def render_estimate(est: Any) -> Group:
     if est.top_modules:
         lines.append(modules_table(est.top_modules, est.total_bytes))
     lines.append(Text(est.explain(), style="italic"))
+    if getattr(est, "host_backed_bytes", 0):
+        lines.append(Text(host_backed_note(est.host_backed_bytes), style="cyan"))
     for warning in est.warnings:
         lines.append(Text(f"warning: {warning}", style="yellow"))
     return Group(*lines)
+
+
+def host_backed_note(nbytes: int) -> str:
+    """One line on paged optimizer state (unified memory), which the total leaves out."""
+    return (f"paged optimizer state: {format_bytes(nbytes)} in unified memory, not counted "
+            "above: it lives in host RAM and pages onto the GPU only while optimizer.step "
+            "touches it, into memory the allocator leaves free (never an out-of-memory error; "
+            "PCIe traffic instead)")
 
 
 def render_max_batch(result: Any, model: str) -> Group:
@@ -116,6 +126,8 @@ def render_max_batch(result: Any, model: str) -> Group:
     if est.top_modules:
         lines.append(modules_table(est.top_modules, est.total_bytes))
     lines.append(Text(est.explain(), style="italic"))
+    if getattr(est, "host_backed_bytes", 0):
+        lines.append(Text(host_backed_note(est.host_backed_bytes), style="cyan"))
     constraint = result.binding_constraint.value
     lines.append(Text(f"binding constraint: {constraint}" + (f" ({result.note})" if result.note else "")
                       + f"; {result.traces} traces"))
@@ -188,4 +200,45 @@ def render_search(result: Any, model: str) -> Group:
     if boundary:
         lines.append(Text("in fresh processes: " + ", ".join(
             f"batch {b} fits in {k} of {n}" for b, k, n in boundary)))
+    return Group(*lines)
+
+
+def render_serve(result: Any) -> Group:
+    """Serving capacity: the memory budget, the KV layout and the answer."""
+    head_value = (f"{result.max_concurrency:.2f} requests of {result.max_model_len:,} tokens"
+                  if result.engine.value == "vllm" else
+                  f"peak {format_bytes(result.hf['total_bytes'])}, largest batch "
+                  f"{result.hf['max_batch_size']}")
+    lines: list[Any] = [Text.assemble(
+        ("Serving ", "bold"), f"{result.model} on {result.device.name} ({result.engine.value}): ",
+        (head_value, "bold green"))]
+    table = Table(show_header=False, box=None)
+    table.add_column()
+    table.add_column(justify="right")
+    table.add_row("card memory", format_bytes(result.device.total_memory_bytes))
+    if result.engine.value == "vllm":
+        table.add_row("x gpu_memory_utilization", format_bytes(result.requested_bytes))
+        table.add_row(f"- weights ({result.dtype})", format_bytes(result.weights_bytes))
+        table.add_row("- profile-run activation peak", format_bytes(result.activation_peak_bytes))
+        table.add_row("- non-torch memory", format_bytes(result.non_torch_bytes))
+        table.add_row("= KV cache", format_bytes(result.kv_cache_bytes))
+    else:
+        table.add_row(f"weights ({result.dtype})", format_bytes(result.weights_bytes))
+        table.add_row("prefill peak", format_bytes(result.hf["prefill_peak_bytes"]))
+        table.add_row("decode peak", format_bytes(result.hf["decode_peak_bytes"]))
+        table.add_row(f"KV cache at batch {result.hf['batch_size']}",
+                      format_bytes(result.kv_cache_bytes))
+    table.add_row(f"KV bytes per token ({result.kv_dtype})",
+                  format_bytes(result.kv_bytes_per_token))
+    if result.state_bytes_per_sequence:
+        table.add_row("state per sequence (Mamba)", format_bytes(result.state_bytes_per_sequence))
+    lines.append(table)
+    kinds = ", ".join(f"{n} {k}" for k, n in result.layer_kinds.items())
+    lines.append(Text(f"layers: {kinds}"))
+    if result.plan is not None:
+        plan = result.plan
+        lines.append(Text(
+            f"{plan.num_blocks:,} blocks of {plan.block_size} tokens = {plan.tokens:,} tokens of KV "
+            f"cache; {plan.blocks_per_request:,} blocks per request of {result.max_model_len:,} "
+            f"tokens -> maximum concurrency {result.max_concurrency:.2f}x"))
     return Group(*lines)

@@ -82,6 +82,20 @@ def fake_copy(model: nn.Module | Callable[[], nn.Module], fake_mode: Any, *,
     return twin
 
 
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors (the user's module
+    is left alone; a workload transforms the copy)."""
+    memo: dict[int, Any] = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        memo[id(tensor)] = _meta_stub(tensor)
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as exc:  # noqa: BLE001 - user objects can fail to copy in any way
+        raise ModelSpecError(
+            f"cannot copy the model to trace it ({type(exc).__name__}: {exc}); "
+            "pass a factory (a function that builds the model) instead") from exc
+
+
 def build_on_meta(factory: Callable[[], nn.Module], precision: str | None = None) -> nn.Module:
     """Call ``factory`` under ``torch.device("meta")``; one clear error if it fails.
 
@@ -121,12 +135,17 @@ def _meta_stub(tensor: torch.Tensor) -> torch.Tensor:
     return stub
 
 
-def enable_checkpointing(model: nn.Module) -> None:
-    """Turn on the model's own activation checkpointing (timm or Hugging Face)."""
+def enable_checkpointing(model: nn.Module, use_reentrant: bool = False) -> None:
+    """Turn on the model's own activation checkpointing (timm or Hugging Face).
+
+    ``use_reentrant`` is passed to Hugging Face's ``torch.utils.checkpoint`` (transformers'
+    default, False, is the non-reentrant variant).
+    """
+    kwargs = {"use_reentrant": bool(use_reentrant)}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     elif hasattr(model, "set_grad_checkpointing"):
         model.set_grad_checkpointing(True)
     else:

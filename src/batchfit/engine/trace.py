@@ -29,7 +29,8 @@ from torch import nn
 
 from batchfit._gc import old_objects_frozen
 from batchfit.engine import _torch_internals as ti
-from batchfit.engine.kernels import scratch_for, size_fix_for
+from batchfit.engine.kernels import (decomposition_for, is_outputs_only, scalar_reads_allowed,
+                                     scratch_for, size_fix_for)
 
 
 class Category(StrEnum):
@@ -57,6 +58,7 @@ class Phase(StrEnum):
 
 
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_EQUAL = torch.ops.aten.equal.default
 
 
 class EventKind(IntEnum):
@@ -103,14 +105,21 @@ class Tracer:
     ``cuda_target``: run decomposed ops on meta twins, as CUDA runs them
     (:class:`ti.MetaTwins`). ``device_type``: record only tensors on this device type
     (a CUDA target's optimizer phase on meta twins: a CPU tensor there is host memory,
-    as Adam's step counts are on a GPU).
+    as Adam's step counts are on a GPU). ``device``: the target profile, for ops traced
+    as their kernel's sub-ops (:func:`batchfit.engine.kernels.decomposition_for`).
+    Storages declared :meth:`host_backed` (paged optimizer state) are kept out of the
+    events; their bytes are in :attr:`host_backed_bytes`.
     """
 
     def __init__(self, in_op_scratch: bool = False, cuda_target: bool = False,
-                 device_type: str | None = None) -> None:
+                 device_type: str | None = None, device: Any = None) -> None:
         self.events: list[Event] = []
         self.in_op_scratch = in_op_scratch  # kernels.py
         self.device_type = device_type
+        self.device = device
+        self._cuda_target = cuda_target
+        self._ignored: set[int] = set()  # storage keys of host-backed buffers
+        self.host_backed_bytes = 0
         self.phase = Phase.SETUP
         # storage address -> [nbytes, category, module, weakref, uid]; addresses are reused
         # after a free, so events carry a unique id instead
@@ -122,8 +131,7 @@ class Tracer:
         self.custom_ops: dict[str, str] = {}  # op -> module where first seen
         self.largest: tuple[int, str, str] = (0, "", "")  # (numel, op, module) of the largest output
         self._interceptor = ti.OpInterceptor(self._on_output, self._on_error,
-                                             shortcut=self._shortcut,
-                                             run=META_TWINS if cuda_target else None)
+                                             shortcut=self._shortcut, run=self._run)
         self._hooks: list[Any] = []
 
     # -- lifecycle ---------------------------------------------------------------
@@ -155,7 +163,7 @@ class Tracer:
 
     def retag(self, tensor: torch.Tensor, category: Category) -> None:
         found = ti.storage_key(tensor)
-        if found is None or not self._on_device(tensor):
+        if found is None or found[0] in self._ignored or not self._on_device(tensor):
             return
         entry = self._live.get(found[0])
         if entry is None:
@@ -164,6 +172,34 @@ class Tracer:
             entry[1] = category
             self.events.append(Event(EventKind.RETAG, entry[4], entry[0], category,
                                      entry[2], "", self.phase))
+
+    def host_backed(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage is host memory the device maps (CUDA unified memory): drop
+        its allocation from the events and ignore it from now on."""
+        found = ti.storage_key(tensor)
+        if found is None:
+            return
+        entry = self._live.pop(found[0], None)
+        if entry is not None:
+            for index in range(len(self.events) - 1, -1, -1):
+                event = self.events[index]
+                if event.key == entry[4] and event.kind is EventKind.ALLOC:
+                    del self.events[index]
+                    break
+        if found[0] not in self._ignored:
+            self._ignored.add(found[0])
+            self.host_backed_bytes += found[1].nbytes()
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op's output computed another way (:class:`ti.OpInterceptor`'s ``run``): a
+        registered decomposition, traced op by op; on CUDA targets, a meta twin."""
+        decompose = decomposition_for(func)
+        if decompose is not None:
+            with self._interceptor:  # the sub-ops are recorded like any other op
+                return decompose(args, kwargs, self.device)
+        if self._cuda_target and META_TWINS is not None:
+            return META_TWINS(func, args, kwargs)
+        return ti.RUN
 
     def _on_device(self, tensor: torch.Tensor) -> bool:
         return self.device_type is None or tensor.device.type == self.device_type
@@ -196,13 +232,15 @@ class Tracer:
         real_sizes = fix(args, {}) if fix is not None else {}
         for index, tensor in enumerate(ti.iter_tensors(out)):
             found = ti.storage_key(tensor)
-            if found is None or found[0] in self._live or not self._on_device(tensor):
+            if (found is None or found[0] in self._live or found[0] in self._ignored
+                    or not self._on_device(tensor)):
                 continue
             if op is None:
                 op = str(func)
                 module = self.current_module()
                 namespace = op.split(".", 1)[0]
-                if namespace not in _CUSTOM_NAMESPACES_OK and op not in self.custom_ops:
+                if (namespace not in _CUSTOM_NAMESPACES_OK and op not in self.custom_ops
+                        and not is_outputs_only(op)):
                     self.custom_ops[op] = module
             category = self._category_for(func, args)
             self._add(found[0], found[1], category, module, op, real_sizes.get(index))
@@ -237,10 +275,18 @@ class Tracer:
           ``found_inf``) are returned as they are; a meta tensor (the optimizer phase
           runs on meta twins, :func:`_trace_optimizer_on_meta`) has no value and gets 1
           at once. Elsewhere it stays an error (a data-dependent shape in forward
-          changes the memory).
+          changes the memory), except inside code declared to read values only as
+          scalars (:func:`batchfit.engine.kernels.scalar_reads`: Liger's chunked loss
+          counts the tokens it averages over, and compares the upstream gradient with 1),
+          where ``.item()`` gets 1 and ``torch.equal`` True.
         """
         if ti.skippable_in_fake_trace(func, args):
             return None
+        if scalar_reads_allowed() and (func is _LOCAL_SCALAR or func is _EQUAL):
+            if func is _EQUAL:
+                return True
+            dtype = args[0].dtype
+            return 1.0 if dtype.is_floating_point else (True if dtype is torch.bool else 1)
         if func is _LOCAL_SCALAR and self.phase is Phase.OPTIMIZER:
             if not args[0].is_meta:
                 try:
@@ -305,6 +351,7 @@ class StepTrace:
     trainable_parameter_count: int
     largest_tensor: tuple[int, str, str] = (0, "", "")  # (elements, op, module)
     largest_grid: tuple[int, str, str] = (0, "", "")  # (grid y/z extent, kernel, module)
+    host_backed_bytes: int = 0  # paged optimizer state: unified memory, not device memory
 
 
 def _expected_input(model: nn.Module) -> tuple[str, tuple[int, ...] | None]:
@@ -371,16 +418,22 @@ class TraceReuse:
 
     def __init__(self) -> None:
         self.meta_model: nn.Module | None = None
+        self.workload_model: Any = None  # (model, quant attributes) with the workload applied
         self.keras: tuple[Any, Any] | None = None  # a Keras model on meta, and its targets
         self.optimizer_first: tuple[Event, ...] | None = None  # creates the state
         self.optimizer_steady: tuple[Event, ...] | None = None
+        self.host_backed_bytes = 0
 
-    def build_model(self, model: Any, precision: str | None = None) -> None:
+    def build_model(self, model: Any, config: Any = None) -> None:
         """Build a factory's model on meta now, not at the first trace: a worker forked
-        after this inherits it instead of building its own (ResNet-50: ~0.15 s).
-        ``precision``: the config's, for a Keras model's dtype policy."""
+        after this inherits it instead of building its own (ResNet-50: ~0.15 s). With an
+        LLM workload in ``config``, apply it too (quantization, peft: seconds for an 8B
+        model); the config's precision sets a Keras model's dtype policy."""
         with ti.preserved_global_state():
-            _meta_model(model, self, precision)
+            if config is not None and config.workload is not None:
+                _workload_model(model, config, self)
+            else:
+                _meta_model(model, self, None if config is None else config.precision.value)
 
 
 def _meta_model(model: Any, reuse: TraceReuse | None, precision: str | None = None) -> Any:
@@ -392,6 +445,52 @@ def _meta_model(model: Any, reuse: TraceReuse | None, precision: str | None = No
     if reuse.meta_model is None:
         reuse.meta_model = build_on_meta(model, precision)
     return reuse.meta_model
+
+
+def _workload_model(model: Any, config: Any, reuse: TraceReuse | None) -> tuple[Any, dict]:
+    """The meta model with ``config``'s LLM workload applied (quantized, prepared, adapted),
+    and the bitsandbytes attributes a fake copy of it must get back; built once per reuse.
+
+    The base weights are cast to the precision's weight dtype first: that is the dtype a
+    checkpoint is loaded in before quantization (``from_pretrained(torch_dtype=...)``).
+    """
+    from batchfit.engine.fake import build_on_meta, meta_copy
+    from batchfit.engine.spec import Mode
+    from batchfit.engine.step import torch_dtype
+    from batchfit.engine.workloads.build import apply_workload
+    from batchfit.engine.workloads.quantstate import quant_attributes
+    from batchfit.engine.workloads.spec import LossKind
+
+    if reuse is not None and reuse.workload_model is not None:
+        return reuse.workload_model
+    if isinstance(model, nn.Module):
+        meta = meta_copy(model)
+    elif reuse is not None:
+        meta = _meta_model(model, reuse)
+        reuse.meta_model = None  # transformed in place below; not reusable raw
+    else:
+        meta = build_on_meta(model)
+    weight_dtype = config.precision.weight_dtype
+    if weight_dtype != "float32":
+        meta = meta.to(torch_dtype(weight_dtype))
+    transformed = apply_workload(meta, config.workload, precision=config.precision,
+                                 checkpointing=config.checkpointing,
+                                 use_reentrant=config.use_reentrant,
+                                 training=config.mode is Mode.TRAIN)
+    if config.loss is LossKind.CHUNKED:
+        from batchfit.engine.workloads.runtime import apply_chunked_loss
+
+        apply_chunked_loss(transformed)
+    built = (transformed, quant_attributes(transformed) if config.quant is not None else {})
+    if reuse is not None:
+        reuse.workload_model = built
+    return built
+
+
+def _workload_checkpointing(config: Any) -> bool:
+    """Whether the workload already turned checkpointing on (peft's
+    ``prepare_model_for_kbit_training`` does, with the given ``use_reentrant``)."""
+    return config.quant is not None and config.quant.prepare
 
 
 @old_objects_frozen()
@@ -422,27 +521,46 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
     from batchfit.engine.fake import build_on_meta
     from batchfit.engine.keras_step import is_keras_model
 
-    with ti.preserved_global_state():
-        base = _meta_model(model, reuse, config.precision.value)
-        owned = not isinstance(base, nn.Module) and callable(base)  # a factory, no reuse
-        if owned:
-            base = build_on_meta(base, config.precision.value)
-    if is_keras_model(base):
+    workload = config.workload
+    base, owned = None, False
+    if workload is None:  # a workload's model is built (and transformed) by _workload_model
+        with ti.preserved_global_state():
+            base = _meta_model(model, reuse, config.precision.value)
+            owned = not isinstance(base, nn.Module) and callable(base)  # a factory, no reuse
+            if owned:
+                base = build_on_meta(base, config.precision.value)
+    if base is not None and is_keras_model(base):
         return _trace_keras_step(base, base is model, inputs, batch_size, config, device, reuse)
     spec = normalize_input_spec(inputs)
     precision = config.precision
     float_dtype = None if precision.weight_dtype == "float32" else torch_dtype(precision.weight_dtype)
     training = config.mode is Mode.TRAIN
     fake_mode = ti.new_fake_mode()
+    if workload is not None and workload.loss.value == "chunked" and not device.is_cuda:
+        raise InvalidInputError(
+            "--loss chunked is Liger-Kernel's fused cross-entropy, whose Triton kernels run "
+            "on GPUs only: use a GPU target (--gpu NAME) or --loss standard")
     with ti.preserved_global_state():
-        twin = fake_copy(base, fake_mode, float_dtype=float_dtype,
-                         channels_last=config.channels_last, owned=owned)
-        if config.checkpointing and training:
-            enable_checkpointing(twin)
-        tracer = Tracer(in_op_scratch=not device.is_cuda, cuda_target=device.is_cuda)
+        quant_state: list[torch.Tensor] = []
+        if workload is None:
+            twin = fake_copy(base, fake_mode, float_dtype=float_dtype,
+                             channels_last=config.channels_last, owned=owned)
+        else:
+            from batchfit.engine.workloads.quantstate import install_fake_quant_state
+
+            source, attributes = _workload_model(model, config, reuse)
+            twin = fake_copy(source, fake_mode, channels_last=config.channels_last)
+            quant_state = install_fake_quant_state(twin, attributes, fake_mode, device.is_cuda)
+        if config.checkpointing and training and not (
+                workload is not None and _workload_checkpointing(config)):
+            enable_checkpointing(twin, config.use_reentrant)
+        tracer = Tracer(in_op_scratch=not device.is_cuda, cuda_target=device.is_cuda,
+                        device=device)
         params = list(twin.parameters())
         for p in params:
             tracer.register(p, Category.PARAMETERS)
+        for t in quant_state:  # absmax blocks, code books: part of the stored weights
+            tracer.register(t, Category.PARAMETERS)
         for b in twin.buffers():
             tracer.register(b, Category.BUFFERS)
         generator = torch.Generator().manual_seed(0)
@@ -468,7 +586,8 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             runner = StepRunner(twin, config, batch, autocast=autocast,
                                 foreach=True if device.is_cuda else False,
                                 on_phase=lambda name: setattr(tracer, "phase", Phase(name)),
-                                generator=generator)
+                                generator=generator,
+                                on_paged=tracer.host_backed if device.is_cuda else None)
         _register_scaler(tracer, runner)
         grad_hooks = [p.register_post_accumulate_grad_hook(
             lambda q: tracer.retag(q.grad, Category.GRADIENTS)) for p in params if p.requires_grad]
@@ -477,7 +596,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         marks: list[int] = []
         emulation_ctx = emulation if emulation is not None else contextlib.nullcontext()
         try:
-            with fake_mode, emulation_ctx, tracer:
+            with fake_mode, emulation_ctx, tracer, _library_context(config, device):
                 if training and not config.grads_to_none:
                     # gradients survive into the next step: trace two whole steps
                     runner.forward_backward()
@@ -486,6 +605,9 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                     runner.train_step()
                 elif training:
                     runner.forward_backward()
+                    if config.grad_accum_steps > 1:
+                        # a later micro-batch runs with the earlier ones' gradients live
+                        runner.forward_backward()
                     marks.append(len(tracer.events))
                 else:
                     runner.infer_step()
@@ -495,7 +617,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                 optimizer_events = _trace_optimizer_on_meta(params, config, device, emulation,
                                                             tracer)
                 if optimizer_events is None:  # it cannot run on meta tensors: on the fake twin
-                    with fake_mode, emulation_ctx, tracer:
+                    with fake_mode, emulation_ctx, tracer, _library_context(config, device):
                         _trace_optimizer(runner, tracer, marks)
                         end = len(tracer.events)
         except BatchfitError:
@@ -506,6 +628,9 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             for hook in grad_hooks:
                 hook.remove()
     events = tracer.events
+    if reuse is not None and tracer.host_backed_bytes:
+        reuse.host_backed_bytes = tracer.host_backed_bytes
+    host_backed = tracer.host_backed_bytes or (reuse.host_backed_bytes if reuse else 0)
     if training and not config.grads_to_none:
         first = tuple(events[:marks[0]])
         steady = _as_setup(alive_at_end(first)) + tuple(events[marks[0]:end])
@@ -533,7 +658,23 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         parameter_count=sum(p.numel() for p in params),
         trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad),
         largest_tensor=tracer.largest,
-        largest_grid=emulation.largest_grid if emulation is not None else (0, "", ""))
+        largest_grid=emulation.largest_grid if emulation is not None else (0, "", ""),
+        host_backed_bytes=host_backed)
+
+
+def _library_context(config: Any, device: Any) -> Any:
+    """What the libraries must be told while the step runs on fake tensors: transformers'
+    value-dependent mask decisions answered as on the real batch, and the workload's own
+    (the chunked loss's kernel launches; bitsandbytes' CUDA dispatch)."""
+    from batchfit.engine.workloads.hfcompat import real_batch_decisions
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(real_batch_decisions(packing=config.packing))
+    if config.workload is not None:
+        from batchfit.engine.workloads.runtime import workload_runtime
+
+        stack.enter_context(workload_runtime(config, device))
+    return stack
 
 
 def _register_scaler(tracer: Tracer, runner: Any) -> None:
@@ -708,11 +849,12 @@ def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: An
     # Adafactor's step counts, unless capturable or fused) is host memory: here it is a
     # real CPU tensor beside the meta ones, and not counted. On a CPU target it counts.
     meta_tracer = Tracer(in_op_scratch=tracer.in_op_scratch,
-                         device_type="meta" if device.is_cuda else None)
+                         device_type="meta" if device.is_cuda else None, device=device)
     try:
         runner = StepRunner(nn.ParameterList(twins), config, ((), {}),
                             foreach=bool(device.is_cuda),
-                            on_phase=lambda name: setattr(meta_tracer, "phase", Phase(name)))
+                            on_phase=lambda name: setattr(meta_tracer, "phase", Phase(name)),
+                            on_paged=meta_tracer.host_backed if device.is_cuda else None)
     except Exception:  # noqa: BLE001 - the fake twin's trace reports it
         return None
     for twin in twins:
@@ -734,6 +876,7 @@ def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: An
             emulation.where = where
     if meta_tracer.largest[0] > tracer.largest[0]:
         tracer.largest = meta_tracer.largest
+    tracer.host_backed_bytes += meta_tracer.host_backed_bytes
     for op, module in meta_tracer.custom_ops.items():
         tracer.custom_ops.setdefault(op, module)
     events = meta_tracer.events

@@ -352,10 +352,20 @@ class _StepSetup:
             model = model.to(self.float_dtype)
         if self.config.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        if self.config.checkpointing and self.config.mode is Mode.TRAIN:
+        config = self.config
+        prepared = False
+        if config.workload is not None:  # quantized for real by bitsandbytes, adapted by peft
+            from batchfit.engine.workloads.build import apply_workload
+
+            model = apply_workload(model, config.workload, precision=config.precision,
+                                   checkpointing=config.checkpointing,
+                                   use_reentrant=config.use_reentrant,
+                                   training=config.mode is Mode.TRAIN)
+            prepared = config.quant is not None and config.quant.prepare
+        if config.checkpointing and config.mode is Mode.TRAIN and not prepared:
             from batchfit.engine.fake import enable_checkpointing
 
-            enable_checkpointing(model)
+            enable_checkpointing(model, config.use_reentrant)
         return model.to(self.device)
 
 
