@@ -136,7 +136,7 @@ def _budget(profile: DeviceProfile, memory_bytes: int | None, margin: float) -> 
     if memory is None:
         raise InvalidInputError(
             "no memory budget for the CPU: give memory_bytes (--memory 16GiB) or a GPU")
-    overhead = profile.context_bytes + profile.workspace_bytes
+    overhead = profile.outside_allocator_bytes + profile.workspace_bytes
     budget = int(memory * (1 - margin)) - overhead
     if budget <= 0:
         raise NothingFits(overhead, int(memory * (1 - margin)), smallest=0)
@@ -218,7 +218,7 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
                 f"dimension of {extent:,} (> 65,535): CUDA refuses the launch")
     at_max = estimates[answer]
     if at_max.first_step_peak_bytes is None:  # the solver's traces skip the first step
-        at_max = replace(at_max, first_step_peak_bytes=profile.context_bytes + needed_bytes(
+        at_max = replace(at_max, first_step_peak_bytes=profile.outside_allocator_bytes + needed_bytes(
             traces[answer].first_events, profile))
     at_next = estimates.get(answer + 1)
     return MaxBatchResult(

@@ -1,0 +1,53 @@
+"""Each rank's predicted peak against a real sharded run of the same step on this CPU.
+
+Two real processes talk over gloo (:mod:`batchfit.realrun.sharded`) and each measures
+its own live storages; one process traces each rank on torch's fake process group
+(:mod:`batchfit.sharding`). DDP and FSDP2, on a small transformer (its vocabulary of
+97 gives FSDP's last rank a shorter shard) and on a CNN with BatchNorm. The tracker
+counts tensors, so the prediction counts tensors too (no CPU kernel scratch). The issue
+asks for 2% on every rank; these agree to the byte, so the test holds them to 0.1%.
+Four ranks and more configurations: ``benchmarks/sharded_vs_gloo.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from batchfit.device.profile import DeviceProfile
+from batchfit.device.timeline import replay_events
+from batchfit.engine.spec import TrainConfig
+from batchfit.realrun.sharded import ShardedJob, measure_sharded_steps
+from batchfit.sharding.layout import Parallelism
+from batchfit.sharding.rank import trace_rank
+from sharded_models import CNN_INPUTS, TinyCNN, TinyTransformer, transformer_inputs
+
+WORLD = 2
+BATCH = 8
+
+
+def _jobs() -> list[ShardedJob]:
+    config = TrainConfig(optimizer="adamw")
+    jobs = []
+    for factory, inputs in ((TinyTransformer, transformer_inputs()), (TinyCNN, CNN_INPUTS)):
+        for strategy in ("ddp", "fsdp"):
+            layout = Parallelism(world_size=WORLD, strategy=strategy, bucket_cap_mb=0.05)
+            jobs.append(ShardedJob(factory, inputs, BATCH, config, layout))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def measured() -> list[tuple]:
+    jobs = _jobs()
+    return list(zip(jobs, measure_sharded_steps(jobs, steps=2)))
+
+
+@pytest.mark.parametrize("index", range(4), ids=["transformer-ddp", "transformer-fsdp",
+                                                 "cnn-ddp", "cnn-fsdp"])
+def test_every_rank_matches_a_real_gloo_run(measured: list[tuple], index: int) -> None:
+    job, ranks = measured[index]
+    tensors_only = DeviceProfile.cpu(kernel_scratch=False)
+    for rank, real in enumerate(ranks):
+        trace = trace_rank(job.model_factory, job.inputs, BATCH, job.config, tensors_only,
+                           job.layout, rank)
+        predicted = replay_events(trace.steady_events, tensors_only).peak_allocated_bytes
+        assert predicted == pytest.approx(real.peak_bytes, rel=1e-3), f"rank {rank}"
