@@ -85,9 +85,20 @@ class MaxBatchResult:
     evaluated: tuple[tuple[int, int], ...]
     device: DeviceProfile
     note: str = ""
+    parallel: Any = None  # a batchfit.sharding.Parallelism: the answer is per rank
+    ranks: tuple[tuple[int, int, int], ...] = ()  # (rank, max batch, bytes at it)
+    binding_rank: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         est = self.estimate_at_max
+        data = self._to_dict(est)
+        if self.parallel is not None:
+            data.update(parallel=self.parallel.to_dict(), binding_rank=self.binding_rank,
+                        ranks=[{"rank": r, "max_batch_size": b, "total_bytes_at_max": t}
+                               for r, b, t in self.ranks])
+        return data
+
+    def _to_dict(self, est: MemoryEstimate) -> dict[str, Any]:
         return {
             "max_batch_size": self.max_batch_size,
             "budget_bytes": self.budget_bytes,
@@ -155,7 +166,8 @@ def _allocator_bytes(est: MemoryEstimate) -> int:
 def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *,
                    device: DeviceProfile | str | None = None, memory_bytes: int | None = None,
                    margin: float = 0.0, max_batch_limit: int = DEFAULT_MAX_BATCH_LIMIT,
-                   on_trace: Callable[[int], None] | None = None, **options: Any) -> MaxBatchResult:
+                   on_trace: Callable[[int], None] | None = None, parallel: Any = None,
+                   nccl: Any = None, **options: Any) -> MaxBatchResult:
     """The largest batch size whose step fits the device.
 
     Args:
@@ -167,12 +179,50 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         margin: a fraction of memory kept free on top of the model (default 0).
         max_batch_limit: the largest answer reported; ``binding_constraint`` says when it binds.
         on_trace: called with each batch size before it is traced (progress display).
+        parallel: a :class:`batchfit.sharding.Parallelism`: the answer is the per-GPU
+            (micro-)batch that fits every rank; ``binding_rank`` names the rank that
+            limits it (:mod:`batchfit.answers.ranks`).
+        nccl: a :class:`batchfit.sharding.NcclMemory` (NCCL's buffers; with ``parallel``).
 
     Raises:
         NothingFits: batch 1 does not fit (``needed_bytes`` vs ``budget_bytes``).
     """
     config = make_config(config, options)
     profile = resolve_device(device)
+    if parallel is not None:
+        return _max_batch_per_rank(model, inputs, config, profile, parallel, nccl,
+                                   memory_bytes, margin, max_batch_limit, on_trace)
+    return _max_batch(model, inputs, config, profile, memory_bytes, margin, max_batch_limit,
+                      on_trace, None)
+
+
+def _max_batch_per_rank(model: Any, inputs: Any, config: TrainConfig, profile: DeviceProfile,
+                        parallel: Any, nccl: Any, memory_bytes: int | None, margin: float,
+                        max_batch_limit: int, on_trace: Callable[[int], None] | None
+                        ) -> MaxBatchResult:
+    """The smallest of the traced ranks' answers (:meth:`Parallelism.ranks_to_trace`)."""
+    from batchfit.answers.ranks import rank_profile
+    from batchfit.sharding.rank import trace_config
+    from batchfit.sharding.transforms import transform_for
+
+    ranked = rank_profile(profile, parallel, nccl)
+    run_config = trace_config(config, parallel)
+    results = []
+    for rank in parallel.ranks_to_trace():
+        def make_transform(rank: int = rank) -> Any:
+            return transform_for(parallel, rank, config.precision)
+
+        results.append((rank, _max_batch(model, inputs, run_config, ranked, memory_bytes,
+                                         margin, max_batch_limit, on_trace, make_transform)))
+    binding_rank, binding = min(results, key=lambda pair: (pair[1].max_batch_size, pair[0]))
+    return replace(binding, parallel=parallel, binding_rank=binding_rank, ranks=tuple(
+        (rank, r.max_batch_size, r.total_bytes_at_max) for rank, r in results))
+
+
+def _max_batch(model: Any, inputs: Any, config: TrainConfig, profile: DeviceProfile,
+               memory_bytes: int | None, margin: float, max_batch_limit: int,
+               on_trace: Callable[[int], None] | None,
+               make_transform: Callable[[], Any] | None) -> MaxBatchResult:
     memory, budget = _budget(profile, memory_bytes, margin)
     estimates: dict[int, MemoryEstimate] = {}
     traces: dict[int, StepTrace] = {}
@@ -180,7 +230,9 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
 
     def trace(batch_size: int) -> tuple[StepTrace, MemoryEstimate]:
         """The trace and its summary (a worker summarises its own, in parallel)."""
-        traced = trace_step(model, inputs, batch_size, config, profile, reuse)
+        transform = make_transform() if make_transform is not None else None
+        traced = trace_step(model, inputs, batch_size, config, profile, reuse,
+                            transform=transform)
         return traced, summarize(traced, profile, first_step=False)
 
     pool = _trace_pool(trace, model, profile, reuse)

@@ -53,6 +53,19 @@ KwargsOpt = typer.Option(None, "--model-kwargs", help="key=value passed to the m
 JsonOpt = typer.Option(False, "--json", help="print one JSON object")
 PlotOpt = typer.Option(None, "--plot", help="write a PNG plot here")
 DebugOpt = typer.Option(False, "--debug", help="show tracebacks")
+WorldOpt = typer.Option(None, "--world-size",
+                        help="multi-GPU: GPUs the step is spread over (the batch is per GPU)")
+StrategyOpt = typer.Option(None, "--strategy", help="ddp (default), fsdp, fsdp-grad-op, hsdp, "
+                           "fsdp1, zero1, zero2, zero3, tp")
+OffloadOpt = typer.Option("none", "--offload", help="none, optimizer (ZeRO), params")
+TpOpt = typer.Option(1, "--tp", help="tensor-parallel degree (with --strategy tp or fsdp)")
+NodesOpt = typer.Option(1, "--nodes", help="machines the GPUs span (HSDP, NCCL, links)")
+RankOpt = typer.Option(None, "--rank", help="trace this rank only (default: 0 and the last)")
+WrapOpt = typer.Option(None, "--wrap",
+                       help="FSDP units: module class names, comma-separated (default: "
+                            "every block of a list of repeated blocks)")
+NcclOpt = typer.Option(None, "--nccl-memory",
+                       help="NCCL's memory per communicator, e.g. 600MiB (default: modelled)")
 
 
 @contextlib.contextmanager
@@ -122,6 +135,28 @@ def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
     return profile, memory_bytes
 
 
+def _parallel(world_size: int | None, strategy: str | None, offload: str, tp: int,
+              nodes: int, rank: int | None, wrap: str | None,
+              nccl_memory: str | None) -> tuple[Any, Any]:
+    """The multi-GPU layout and NCCL model of the options, or (None, None)."""
+    if world_size is None:
+        given = [name for name, value in (("--strategy", strategy), ("--tp", tp != 1),
+                                          ("--nodes", nodes != 1), ("--rank", rank),
+                                          ("--wrap", wrap), ("--nccl-memory", nccl_memory),
+                                          ("--offload", offload != "none")) if value]
+        if given:
+            raise InvalidInputError(f"{given[0]} is a multi-GPU option: add --world-size N")
+        return None, None
+    from batchfit.sharding import NcclMemory, Parallelism
+
+    units = tuple(w.strip() for w in wrap.split(",") if w.strip()) if wrap else None
+    layout = Parallelism(world_size=world_size, strategy=strategy or "ddp", offload=offload,
+                         tp=tp, nodes=nodes, rank=rank, wrap=units)
+    nccl = NcclMemory(per_communicator_bytes=parse_size(nccl_memory, allow_zero=True)) \
+        if nccl_memory is not None else None
+    return layout, nccl
+
+
 def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str, optimizer: str,
            precision: str, checkpointing: bool, channels_last: bool,
            model_kwargs: list[str] | None) -> tuple[Any, Any, Any]:
@@ -170,20 +205,32 @@ def estimate_cmd(
     mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
     checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
+    world_size: Optional[int] = WorldOpt, strategy: Optional[str] = StrategyOpt,
+    offload: str = OffloadOpt, tp: int = TpOpt, nodes: int = NodesOpt,
+    rank: Optional[int] = RankOpt, wrap: Optional[str] = WrapOpt,
+    nccl_memory: Optional[str] = NcclOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
-    """Predict the peak memory of one step at a batch size."""
+    """Predict the peak memory of one step at a batch size (per GPU with --world-size)."""
     with _errors(debug):
         if batch_size < 1:
             raise InvalidInputError(f"--batch-size must be a positive integer, not {batch_size}")
         _check_plot(plot)
+        parallel, nccl = _parallel(world_size, strategy, offload, tp, nodes, rank, wrap,
+                                   nccl_memory)
         profile, _ = _resolve_device(gpu, device, None, overhead, need_budget=False)
         with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                           checkpointing, channels_last, model_kwargs)
-            from batchfit.answers.estimate import estimate
+            if parallel is None:
+                from batchfit.answers.estimate import estimate
 
-            est = estimate(spec.factory, inputs, batch_size, config, device=profile)
+                est = estimate(spec.factory, inputs, batch_size, config, device=profile)
+            else:
+                from batchfit.answers.ranks import estimate_ranks
+
+                est = estimate_ranks(spec.factory, inputs, batch_size, config, device=profile,
+                                     parallel=parallel, nccl=nccl)
         if plot:
             from batchfit.cli.plot import plot_estimate
 
@@ -212,13 +259,23 @@ def max_cmd(
     batch_size: Optional[int] = typer.Option(
         None, "--batch-size", "-b",
         help="token models: fix the batch and find the longest --seq-len that fits"),
+    world_size: Optional[int] = WorldOpt, strategy: Optional[str] = StrategyOpt,
+    offload: str = OffloadOpt, tp: int = TpOpt, nodes: int = NodesOpt,
+    rank: Optional[int] = RankOpt, wrap: Optional[str] = WrapOpt,
+    nccl_memory: Optional[str] = NcclOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
     """The largest batch size that fits the GPU (or a memory budget).
 
-    With --batch-size, the longest sequence length that fits at that batch instead.
+    With --batch-size, the longest sequence length that fits at that batch instead. With
+    --world-size, the largest per-GPU (micro-)batch that fits every rank.
     """
     with _errors(debug):
+        parallel, nccl = _parallel(world_size, strategy, offload, tp, nodes, rank, wrap,
+                                   nccl_memory)
+        if parallel is not None and batch_size is not None:
+            raise InvalidInputError("--batch-size (longest --seq-len) is single-GPU only: "
+                                    "drop it, or drop --world-size")
         if not 0 <= margin < 1:
             raise InvalidInputError(f"--margin {margin} must be a fraction in [0, 1), e.g. 0.05")
         if max_limit < 1:
@@ -247,7 +304,8 @@ def max_cmd(
 
             result = max_batch_size(spec.factory, inputs, config, device=profile,
                                     memory_bytes=memory_bytes, margin=margin,
-                                    max_batch_limit=max_limit, on_trace=on_trace)
+                                    max_batch_limit=max_limit, on_trace=on_trace,
+                                    parallel=parallel, nccl=nccl)
         if plot:
             from batchfit.cli.plot import plot_max_batch
 

@@ -48,6 +48,24 @@ def modules_table(top_modules: Sequence[Any], total_bytes: int) -> Table:
     return table
 
 
+def ranks_table(parallel: Any, rows: Sequence[tuple[int, str, int]], binding_rank: int | None,
+                title: str) -> Table:
+    """One row per traced rank: ``(rank, its answer, its bytes)``; the binding rank marked."""
+    layout = parallel.to_dict()
+    table = Table(title=f"{title}: {layout['world_size']} GPUs, {layout['strategy']}"
+                        + (f", tp {layout['tp']}" if layout["tp"] > 1 else "")
+                        + (f", offload {layout['offload']}" if layout["offload"] != "none" else "")
+                        + (f", {layout['nodes']} nodes" if layout["nodes"] > 1 else ""),
+                  title_justify="left")
+    table.add_column("rank", justify="right")
+    table.add_column("answer", justify="right")
+    table.add_column("memory", justify="right")
+    for rank, answer, nbytes in rows:
+        mark = " (binds)" if rank == binding_rank and len(rows) > 1 else ""
+        table.add_row(f"{rank}{mark}", answer, format_bytes(nbytes))
+    return table
+
+
 def render_estimate(est: Any) -> Group:
     """The breakdown, the top layers and one sentence."""
     device = est.device
@@ -61,10 +79,16 @@ def render_estimate(est: Any) -> Group:
         lines.append(Text(
             f"allocated {format_bytes(est.peak_allocated_bytes)}, reserved "
             f"{format_bytes(est.peak_reserved_bytes)}, + CUDA context "
-            f"{format_bytes(device.context_bytes)}; card {format_bytes(device.total_memory_bytes)}"))
+            f"{format_bytes(device.context_bytes)}"
+            + (f" + NCCL {format_bytes(device.nccl_bytes)}" if device.nccl_bytes else "")
+            + f"; card {format_bytes(device.total_memory_bytes)}"))
     if est.first_step_peak_bytes not in (None, est.total_bytes):
         lines.append(Text(f"first step (creates optimizer state): "
                           f"{format_bytes(est.first_step_peak_bytes)}"))
+    if getattr(est, "parallel", None) is not None:
+        lines.append(ranks_table(est.parallel, [
+            (r.rank, r.estimate.peak_phase.value, r.estimate.total_bytes) for r in est.ranks],
+            est.binding_rank, "Peak per rank"))
     lines.append(category_table(est.by_category, est.total_bytes, "Where the memory goes at the peak"))
     if est.top_modules:
         lines.append(modules_table(est.top_modules, est.total_bytes))
@@ -89,6 +113,8 @@ def render_max_batch(result: Any, model: str) -> Group:
     if device.is_cuda:
         budget.add_row("- CUDA context", format_bytes(device.context_bytes))
         budget.add_row("- cuBLAS workspaces", format_bytes(device.workspace_bytes))
+    if device.nccl_bytes:
+        budget.add_row("- NCCL buffers", format_bytes(device.nccl_bytes))
     if result.margin:
         budget.add_row(f"- margin {result.margin:.0%}", format_bytes(result.memory_bytes * result.margin))
     budget.add_row("= budget for the step", format_bytes(result.budget_bytes))
@@ -97,6 +123,10 @@ def render_max_batch(result: Any, model: str) -> Group:
         budget.add_row(f"needed at B={result.max_batch_size + 1}",
                        format_bytes(result.total_bytes_at_next))
     lines.append(budget)
+    if result.parallel is not None:
+        lines.append(ranks_table(result.parallel, [(rank, f"batch {batch}", nbytes)
+                                                   for rank, batch, nbytes in result.ranks],
+                                 result.binding_rank, "Largest per-GPU batch per rank"))
     lines.append(category_table(est.by_category, est.total_bytes,
                                 f"Where the memory goes at B={result.max_batch_size}"))
     if est.top_modules:
