@@ -86,6 +86,11 @@ def inner_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
             yield from inner_tensors(inner)
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its first inner tensor); any other tensor itself."""
+    return next(inner_tensors(tensor), tensor)
+
+
 @contextlib.contextmanager
 def watching_resizes(on_resize: Callable[[Any, int], None]) -> Iterator[None]:
     """Call ``on_resize(storage, nbytes)`` after every ``UntypedStorage.resize_``.

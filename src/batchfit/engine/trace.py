@@ -426,8 +426,8 @@ class StepTransform(Protocol):
     :mod:`batchfit.sharding` implements it (DDP, FSDP, DeepSpeed ZeRO, tensor parallel):
     :func:`trace_step` enters :meth:`session` around the whole trace, builds the module
     with :meth:`build` while the tracer records (so memory created or freed while
-    wrapping is seen), calls :meth:`attach` once the step's runner exists and
-    :meth:`before_step` before each of the two traced training steps.
+    wrapping is seen), calls :meth:`attach` once the step's runner exists and, with
+    :attr:`whole_steps`, :meth:`before_step` before each of the two traced steps.
     """
 
     def session(self) -> contextlib.AbstractContextManager[Any]:
@@ -446,6 +446,11 @@ class StepTransform(Protocol):
 
     def before_step(self, index: int) -> None:
         """Called before traced training step ``index`` (0: the first, 1: the steady)."""
+
+    #: True: trace two whole training steps (DDP rebuilds its buckets in the second;
+    #: DeepSpeed's engine runs its own optimizer). False: one forward and backward, and
+    #: the optimizer on meta twins of the (local, sharded) parameters, as for one GPU.
+    whole_steps: bool
 
 
 class TraceReuse:
@@ -493,8 +498,8 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         device: a :class:`batchfit.device.profile.DeviceProfile`.
         reuse: share work between traces of the same model at other batch sizes.
         transform: builds and runs the step another way (one rank of a sharded step,
-            :mod:`batchfit.sharding`); two whole training steps are then traced, the
-            second being the steady one.
+            :mod:`batchfit.sharding`); with its ``whole_steps`` two whole training steps
+            are traced, the second being the steady one.
     """
     from batchfit.engine.fake import build_on_meta, enable_checkpointing, fake_copy
     from batchfit.engine.spec import Mode
@@ -576,7 +581,9 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             with fake_mode, emulation_ctx, tracer:
                 if transform is not None:
                     transform.attach(runner, tracer)
-                if transform is not None and training:
+                whole_steps = training and (not config.grads_to_none or (
+                    transform is not None and transform.whole_steps))
+                if transform is not None and whole_steps:
                     for index in range(2):  # the first creates state, the second is steady
                         transform.before_step(index)
                         runner.train_step()
@@ -595,7 +602,6 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                     runner.infer_step()
                 end = len(tracer.events)
             optimizer_events = None
-            whole_steps = transform is not None or not config.grads_to_none
             if training and not whole_steps and (reuse is None or reuse.optimizer_first is None):
                 optimizer_events = _trace_optimizer_on_meta(params, config, device, emulation,
                                                             tracer)
@@ -697,11 +703,14 @@ def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: An
     if any(p.grad is not None and p.grad.layout is not torch.strided for p in trained):
         return None
     twins = []
-    for p in trained:
+    for param in trained:
+        # a DTensor (sharded) parameter's optimizer runs on its local shard
+        p = ti.local_tensor(param)
+        grad = param.grad
         twin = nn.Parameter(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype,
                                                 device="meta"))
-        if p.grad is not None:
-            g = p.grad
+        if grad is not None:
+            g = ti.local_tensor(grad)
             twin.grad = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device="meta")
         twins.append(twin)
     # On a GPU, what an optimizer makes without a device (Adam's, Adagrad's, RMSprop's and

@@ -34,7 +34,7 @@ tensor it reads back, which runs on real tensors.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -68,12 +68,16 @@ class _Scopes:
         self._categories = categories
         self._open: list[str] = []
         self.override: Category | None = None
+        self.on_enter: Callable[[str, str], None] | None = None  # (scope, module path)
 
     def observe(self, func: Any, args: tuple, out: Any) -> None:
         # scopes are context managers, so they close in the reverse order they opened
         # (the handle an exit gets is another Python object than the one enter returned)
         if func is _RF_ENTER:
-            self._open.append(str(args[0]).split(" (", 1)[0])
+            name, _, fqn = str(args[0]).partition(" (")
+            self._open.append(name)
+            if self.on_enter is not None:
+                self.on_enter(name, fqn[:-1])
         elif func is _RF_EXIT and self._open:
             self._open.pop()
 
@@ -145,6 +149,8 @@ def _fake_twin(meta_model: nn.Module, fake_mode: Any, float_dtype: torch.dtype |
 class DDPTransform(_Transform):
     """``DistributedDataParallel`` on one fake rank (``bucket_cap_mb``,
     ``gradient_as_bucket_view`` from the layout)."""
+
+    whole_steps = True
 
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
               float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
@@ -239,39 +245,55 @@ def mixed_precision(layout: Parallelism, precision: Precision) -> tuple[Any, Any
 class FSDP2Transform(_Transform):
     """FSDP2 (and tensor parallel) on one fake rank (:func:`shard_model`).
 
-    The model is sharded on the meta device and then given fake storage with
-    ``to_empty`` (FSDP2's documented way to shard a model too large to build: no full
-    parameter ever exists), after which FSDP re-pads the last rank's shards as it does
-    for a materialised model."""
+    The model is sharded on the meta device (outside the fake mode: a meta op there is a
+    fake op, at ~40x the cost) and then given fake storage with ``to_empty``, FSDP2's
+    documented way to shard a model too large to build: no full parameter ever exists.
+    FSDP's lazy initialisation, which its first forward runs, runs here (it re-pads the
+    last rank's short shards). The step is then one forward and backward, and the
+    optimizer on meta twins of the local shards (the engine's single-GPU path): FSDP2's
+    second step differs from its first only by that initialisation."""
+
+    whole_steps = False
 
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
               float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
         self._follow(tracer)
-        model = meta_copy(meta_model, float_dtype)
-        if checkpointing:
-            enable_checkpointing(model)
-        shard_model(model, self.layout, self.world, self.precision)
-        with fake_mode:
-            model.to_empty(device="cpu")
+        with ti.no_dispatch_modes():  # real meta tensors, not fake ones on the meta device
+            model = meta_copy(meta_model, float_dtype)
+            if checkpointing:
+                enable_checkpointing(model)
+            shard_model(model, self.layout, self.world, self.precision)
+        model.to_empty(device="cpu")
+        self._groups = {}
+        for module in model.modules():
+            state = _fsdp_state(module)
+            if state is not None:
+                state._lazy_init()
+                break
+        for module in model.modules():
+            state = _fsdp_state(module)
+            if state is not None and state._fsdp_param_group is not None:
+                group = state._fsdp_param_group
+                self._groups[group._module_fqn or ""] = group
+        self.scopes.on_enter = self._entered
         self.module = model
         return model
 
-    def before_step(self, index: int) -> None:
-        if index != 1:
-            return
-        # FSDP's lazy initialisation (first forward) re-pads a rank's short shards again,
-        # as the storage pointers of fake tensors cannot show it was done: same bytes, a
-        # new storage, so it is named again
-        for param in self.module.parameters():
-            self.tracer.retag(param, Category.PARAMETERS)
-        for state in _fsdp_params(self.module):  # gathered parameters exist from step 1 on
-            unsharded = getattr(state, "_unsharded_param", None)
-            if isinstance(unsharded, nn.Parameter):
-                unsharded.register_post_accumulate_grad_hook(self._gradient)
+    def _entered(self, name: str, fqn: str) -> None:
+        # FSDP hands the unsharded gradients to the reduce-scatter here: they are gradients
+        if name == "FSDP::post_backward_reduce" and self.tracer is not None:
+            group = self._groups.get(fqn)
+            for state in group.fsdp_params if group is not None else ():
+                unsharded = getattr(state, "_unsharded_param", None)
+                grad = getattr(unsharded, "grad", None)
+                if grad is not None:
+                    self.tracer.retag(grad, Category.GRADIENTS)
 
-    def _gradient(self, param: nn.Parameter) -> None:
-        if self.tracer is not None and param.grad is not None:
-            self.tracer.retag(param.grad, Category.GRADIENTS)
+
+def _fsdp_state(module: nn.Module) -> Any:
+    from torch.distributed.fsdp import FSDPModule
+
+    return module._get_fsdp_state() if isinstance(module, FSDPModule) else None
 
 
 def _set_prefetch(units: list[nn.Module], count: int) -> None:
@@ -284,16 +306,6 @@ def _set_prefetch(units: list[nn.Module], count: int) -> None:
             unit.set_modules_to_forward_prefetch(ahead)
         if behind:
             unit.set_modules_to_backward_prefetch(behind)
-
-
-def _fsdp_params(model: nn.Module) -> Iterator[Any]:
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                yield from group.fsdp_params
 
 
 def shard_model(model: nn.Module, layout: Parallelism, world: World,
