@@ -30,8 +30,11 @@ Example (4 processes take a few seconds to start):
 
 from __future__ import annotations
 
-import socket
+import contextlib
+import os
+import tempfile
 import traceback
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,9 +102,11 @@ def measure_sharded_steps(jobs: Sequence[ShardedJob], *, steps: int = 3,
     world_size = sizes.pop()
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
-    port = _free_port()
     queue = context.Queue()
-    ranks = [context.Process(target=_rank_main, args=(rank, port, list(jobs), steps, queue),
+    # a file store (the group creates the file): unlike a TCP port, nothing can take it
+    rendezvous = os.path.join(tempfile.gettempdir(), f"batchfit-gloo-{uuid.uuid4().hex}")
+    ranks = [context.Process(target=_rank_main,
+                             args=(rank, f"file://{rendezvous}", list(jobs), steps, queue),
                              daemon=True)
              for rank in range(world_size)]
     for process in ranks:
@@ -123,24 +128,21 @@ def measure_sharded_steps(jobs: Sequence[ShardedJob], *, steps: int = 3,
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(rendezvous)
     return [tuple(results[rank][index] for rank in range(world_size))
             for index in range(len(jobs))]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _rank_main(rank: int, port: int, jobs: list[ShardedJob], steps: int, queue: Any) -> None:
+def _rank_main(rank: int, init_method: str, jobs: list[ShardedJob], steps: int,
+               queue: Any) -> None:
     """One rank: join the gloo group, then build, shard, run and measure each job."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=jobs[0].layout.world_size)
         try:
             queue.put((rank, [_measure_rank(rank, job, steps) for job in jobs]))
