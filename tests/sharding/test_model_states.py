@@ -80,3 +80,37 @@ def test_ddp_replicates() -> None:
         assert held[Category.GRADIENTS] == size
         assert held[Category.COMMUNICATION] == size  # the bucket
         assert held[Category.OPTIMIZER_STATE] == 2 * size + N_PARAMS * STEP
+
+
+# DeepSpeed ZeRO (runtime/zero/stage_1_and_2.py, stage3.py), bf16 with AdamW: DeepSpeed
+# flattens the 533 parameters into one group padded to a multiple of the world size times
+# its 2-element alignment: 536, so each of the 4 ranks owns 134 elements. Every stage
+# keeps this rank's fp32 master copy and Adam's two moments of its 134 elements (12
+# bytes each) and one step count; ZeRO-1 and 2 keep all 536 bf16 parameters, ZeRO-3 only
+# this rank's 134, and ZeRO-3 also this rank's 134 bf16 gradients: 16 bytes x P / N in all
+# (16 x 134 = 2,144), as the ZeRO paper counts. Parameters below
+# ``stage3_param_persistence_threshold`` stay gathered (DeepSpeed's default, 10^5
+# elements, would keep all of this model's): 0 here.
+ZERO = {"reduce_bucket_size": 1000, "allgather_bucket_size": 1000,
+        "stage3_param_persistence_threshold": 0}
+PADDED = 536
+OWNED = PADDED // 4
+BF16 = 2
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+def test_zero_partitions(stage: str) -> None:
+    layout = Parallelism(world_size=4, strategy=stage, deepspeed=ZERO)
+    trace = trace_rank(Blocks, (12,), 2, TrainConfig(optimizer="adamw", precision="bf16"),
+                       DeviceProfile.cpu(kernel_scratch=False), layout, 3)
+    held: dict[Category, int] = {}
+    for event in alive_at_end(trace.steady_events):
+        held[event.category] = held.get(event.category, 0) + event.nbytes
+    assert held[Category.OPTIMIZER_STATE] == 3 * OWNED * F32 + STEP
+    if stage == "zero3":
+        assert held[Category.PARAMETERS] == OWNED * BF16
+        assert held[Category.GRADIENTS] == OWNED * BF16
+        assert held[Category.PARAMETERS] + held[Category.GRADIENTS] \
+            + held[Category.OPTIMIZER_STATE] - STEP == 16 * OWNED
+    else:
+        assert held[Category.PARAMETERS] == PADDED * BF16

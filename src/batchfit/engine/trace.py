@@ -290,8 +290,9 @@ class Tracer:
           Values the fake tensor knows (constants: step counts, the grad scaler's
           ``found_inf``) are returned as they are; a meta tensor (the optimizer phase
           runs on meta twins, :func:`_trace_optimizer_on_meta`) has no value and gets 1
-          at once; a boolean gets False (a check a real step passes: DeepSpeed's
-          "is the gradient norm finite?" decides whether the step runs at all).
+          at once; a boolean or a byte gets False or 0 (a check a real step passes:
+          DeepSpeed's "is the gradient norm finite?" and its overflow byte decide
+          whether the step runs at all).
           Elsewhere it stays an error (a data-dependent shape in forward changes the
           memory);
         * ``wait_tensor`` of a functional collective (DTensor's): eager returns its
@@ -311,7 +312,9 @@ class Tracer:
             dtype = args[0].dtype
             if dtype.is_floating_point or dtype.is_complex:
                 return 1.0
-            return False if dtype is torch.bool else 1
+            if dtype is torch.bool:
+                return False
+            return 0 if dtype is torch.uint8 else 1  # a byte is a flag (DeepSpeed's overflow)
         return ti.RUN
 
     def _on_error(self, func: Any, exc: BaseException) -> None:

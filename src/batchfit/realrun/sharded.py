@@ -168,13 +168,24 @@ def _measure_rank(rank: int, job: ShardedJob, steps: int) -> MeasuredStep:
 
     def build() -> Any:
         runner = _build_runner(job.model_factory, job.inputs, job.batch_size, run_config)
+        if layout.strategy.is_zero:
+            from batchfit.sharding.zero import initialize
+
+            initialize(runner, layout, job.config.precision)
+            return runner
         runner.model = shard_model(runner.model, layout, world, job.config.precision)
         runner.optimizer = None
         runner.__post_init__()  # the optimizer over the sharded parameters
         return runner
 
     torch.default_generator.manual_seed(0)
-    windows = run_tracked_session(build, steps)
+    if layout.strategy.is_zero:  # DeepSpeed reads its rank from the environment, any time
+        from batchfit.sharding.zero import deepspeed_environment
+
+        with deepspeed_environment(rank, layout.world_size):
+            windows = run_tracked_session(build, steps)
+    else:
+        windows = run_tracked_session(build, steps)
     return MeasuredStep(peak_bytes=max(w.peak_bytes for w in windows[1:]),
                         first_step_peak_bytes=windows[0].peak_bytes,
                         baseline_bytes=windows[-1].baseline_bytes,

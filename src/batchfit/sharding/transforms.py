@@ -351,6 +351,10 @@ def transform_for(layout: Parallelism, rank: int, precision: Precision) -> Any:
     strategy = layout.strategy
     if strategy is Strategy.DDP:
         return DDPTransform(layout, rank, precision)
+    if strategy.is_zero:
+        from batchfit.sharding.zero import ZeroTransform
+
+        return ZeroTransform(layout, rank, precision)
     if strategy in (Strategy.FSDP, Strategy.FSDP_GRAD_OP, Strategy.HSDP, Strategy.TP):
         return FSDP2Transform(layout, rank, precision)
     raise NotImplementedError(f"strategy {strategy.value} is not traced yet")
