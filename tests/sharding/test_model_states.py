@@ -114,3 +114,22 @@ def test_zero_partitions(stage: str) -> None:
             + held[Category.OPTIMIZER_STATE] - STEP == 16 * OWNED
     else:
         assert held[Category.PARAMETERS] == PADDED * BF16
+
+
+def test_fsdp2_cpu_offload_keeps_model_state_off_the_gpu() -> None:
+    # CPUOffloadPolicy: shards, gradients and optimizer state live on the host; each
+    # all-gather first copies the unit's padded shards to the GPU: (36 + 3) fp32 elements
+    # per block, (24 + 2) for the root's head. Every unit gathers twice, in forward and
+    # again in backward (reshard_after_forward=True for every unit, the root included,
+    # as torchtitan shards).
+    from batchfit.engine.trace import EventKind
+    from batchfit.sharding.offload import COPY_TO_DEVICE
+
+    layout = Parallelism(world_size=4, strategy="fsdp", offload="params")
+    trace = trace_rank(Blocks, (12,), 2, TrainConfig(optimizer="adamw"),
+                       DeviceProfile.cpu(kernel_scratch=False), layout, 0)
+    held = {event.category for event in alive_at_end(trace.steady_events)}
+    assert held == {Category.INPUTS}
+    copies = sorted(e.nbytes for e in trace.steady_events
+                    if e.op == COPY_TO_DEVICE and e.kind is EventKind.ALLOC)
+    assert copies == [26 * F32] * 2 + [39 * F32] * 6

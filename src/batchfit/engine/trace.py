@@ -126,6 +126,8 @@ class Tracer:
         self.fake_mode = fake_mode
         self.observers: list[Any] = []
         self.category_rule: Any = None
+        #: phases whose unknown ``.item()`` values are answered (see :meth:`_shortcut`)
+        self.item_phases: frozenset[Phase] = frozenset({Phase.OPTIMIZER})
         self.in_op_scratch = in_op_scratch  # kernels.py
         self.device_type = device_type
         self.phase = Phase.SETUP
@@ -208,6 +210,28 @@ class Tracer:
             entry[2] = self.current_module()
             self.events.append(Event(EventKind.ALLOC, entry[4], nbytes, entry[1], entry[2],
                                      "resize_", self.phase))
+
+    def uids(self, tensor: torch.Tensor) -> list[int]:
+        """The event ids of the live allocations holding ``tensor`` (its inner tensors')."""
+        found = []
+        for plain in ti.inner_tensors(tensor):
+            key = ti.storage_key(plain)
+            entry = self._live.get(key[0]) if key is not None else None
+            if entry is not None and entry[4] is not None:
+                found.append(entry[4])
+        return found
+
+    def transient(self, nbytes: int, category: Category, op: str) -> int:
+        """Record an allocation no tensor stands for (a copy the traced code skips on this
+        device); :meth:`release` frees it. Returns its id."""
+        uid = next(_UIDS)
+        self.events.append(Event(EventKind.ALLOC, uid, nbytes, category,
+                                 self.current_module(), op, self.phase))
+        return uid
+
+    def release(self, uid: int, nbytes: int, category: Category) -> None:
+        self.events.append(Event(EventKind.FREE, uid, nbytes, category, self.current_module(),
+                                 "", self.phase))
 
     def _rule_category(self, func: Any) -> Category | None:
         return self.category_rule(func) if self.category_rule is not None else None
@@ -294,7 +318,8 @@ class Tracer:
           DeepSpeed's "is the gradient norm finite?" and its overflow byte decide
           whether the step runs at all).
           Elsewhere it stays an error (a data-dependent shape in forward changes the
-          memory);
+          memory). A transform may add phases (:attr:`item_phases`: DeepSpeed's
+          offload checks gradients for overflow in backward);
         * ``wait_tensor`` of a functional collective (DTensor's): eager returns its
           input, where the fake kernel would make a new tensor (as torch's MemTracker
           notes).
@@ -303,7 +328,7 @@ class Tracer:
             return None
         if func is _WAIT_TENSOR and func is not None:
             return args[0]
-        if func is _LOCAL_SCALAR and self.phase is Phase.OPTIMIZER:
+        if func is _LOCAL_SCALAR and self.phase in self.item_phases:
             if not args[0].is_meta:
                 try:
                     return func(*args)
@@ -449,6 +474,9 @@ class StepTransform(Protocol):
 
     def before_step(self, index: int) -> None:
         """Called before traced training step ``index`` (0: the first, 1: the steady)."""
+
+    def finish(self, trace: StepTrace) -> StepTrace:
+        """The trace as the device sees it (an offload takes host memory off it)."""
 
     #: True: trace two whole training steps (DDP rebuilds its buckets in the second;
     #: DeepSpeed's engine runs its own optimizer). False: one forward and backward, and
@@ -641,13 +669,14 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                   + tuple(events[setup_end:fwd_bwd_end]) + opt_steady)
     else:
         first = steady = tuple(events[:end])
-    return StepTrace(
+    traced = StepTrace(
         steady_events=steady, first_events=first, batch_size=batch_size,
         custom_ops=dict(tracer.custom_ops),
         parameter_count=sum(p.numel() for p in params),
         trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad),
         largest_tensor=tracer.largest,
         largest_grid=emulation.largest_grid if emulation is not None else (0, "", ""))
+    return transform.finish(traced) if transform is not None else traced
 
 
 def _register_scaler(tracer: Tracer, runner: Any) -> None:

@@ -69,6 +69,7 @@ class _Scopes:
         self._open: list[str] = []
         self.override: Category | None = None
         self.on_enter: Callable[[str, str], None] | None = None  # (scope, module path)
+        self.on_exit: Callable[[str], None] | None = None
 
     def observe(self, func: Any, args: tuple, out: Any) -> None:
         # scopes are context managers, so they close in the reverse order they opened
@@ -79,7 +80,9 @@ class _Scopes:
             if self.on_enter is not None:
                 self.on_enter(name, fqn[:-1])
         elif func is _RF_EXIT and self._open:
-            self._open.pop()
+            name = self._open.pop()
+            if self.on_exit is not None:
+                self.on_exit(name)
 
     def category(self, func: Any) -> Category | None:
         if self.override is not None:
@@ -132,6 +135,9 @@ class _Transform:
 
     def before_step(self, index: int) -> None:
         pass
+
+    def finish(self, trace: Any) -> Any:
+        return trace
 
 
 def _fake_twin(meta_model: nn.Module, fake_mode: Any, float_dtype: torch.dtype | None,
@@ -276,18 +282,51 @@ class FSDP2Transform(_Transform):
                 group = state._fsdp_param_group
                 self._groups[group._module_fqn or ""] = group
         self.scopes.on_enter = self._entered
+        self.scopes.on_exit = self._exited
+        self._copies: list[tuple[int, int]] = []
+        self._offloaded_grads: set[int] = set()
+        if self.layout.offload is Offload.PARAMS:
+            for param in model.parameters():
+                param.register_post_accumulate_grad_hook(self._offloaded)
         self.module = model
         return model
 
     def _entered(self, name: str, fqn: str) -> None:
-        # FSDP hands the unsharded gradients to the reduce-scatter here: they are gradients
-        if name == "FSDP::post_backward_reduce" and self.tracer is not None:
-            group = self._groups.get(fqn)
-            for state in group.fsdp_params if group is not None else ():
-                unsharded = getattr(state, "_unsharded_param", None)
-                grad = getattr(unsharded, "grad", None)
+        if self.tracer is None:
+            return
+        group = self._groups.get(fqn)
+        states = group.fsdp_params if group is not None else ()
+        if name == "FSDP::post_backward_reduce":
+            # FSDP hands the unsharded gradients to the reduce-scatter: they are gradients
+            for state in states:
+                grad = getattr(getattr(state, "_unsharded_param", None), "grad", None)
                 if grad is not None:
                     self.tracer.retag(grad, Category.GRADIENTS)
+        elif name == "FSDP::all_gather" and self.layout.offload is Offload.PARAMS:
+            # CPUOffloadPolicy: the unit's host shards are copied to the GPU to be gathered
+            nbytes = sum(s._sharded_param_data.untyped_storage().nbytes() for s in states)
+            from batchfit.sharding.offload import COPY_TO_DEVICE
+
+            self._copies.append((self.tracer.transient(nbytes, Category.COMMUNICATION,
+                                                       COPY_TO_DEVICE), nbytes))
+
+    def _exited(self, name: str) -> None:
+        if name == "FSDP::all_gather" and self._copies and self.tracer is not None:
+            uid, nbytes = self._copies.pop()
+            self.tracer.release(uid, nbytes, Category.COMMUNICATION)
+
+    def _offloaded(self, param: nn.Parameter) -> None:
+        if self.tracer is not None and param.grad is not None:
+            self._offloaded_grads.update(self.tracer.uids(param.grad))
+
+    def finish(self, trace: Any) -> Any:
+        if self.layout.offload is not Offload.PARAMS:
+            return trace
+        from batchfit.engine.trace import Phase
+        from batchfit.sharding.offload import on_device
+
+        return on_device(trace, categories=(Category.PARAMETERS, Category.OPTIMIZER_STATE),
+                         phases=(Phase.OPTIMIZER,), leave_at_retag=self._offloaded_grads)
 
 
 def _fsdp_state(module: nn.Module) -> Any:

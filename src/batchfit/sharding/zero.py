@@ -131,6 +131,7 @@ class ZeroTransform:
         self.precision = precision
         self.engine: Any = None
         self.tracer: Tracer | None = None
+        self._host: set[int] = set()
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -151,7 +152,11 @@ class ZeroTransform:
               float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
         from batchfit.sharding.transforms import _fake_twin
 
+        from batchfit.engine.trace import Phase
+
         self.tracer = tracer
+        # DeepSpeed's offload checks each gradient for overflow during backward
+        tracer.item_phases = tracer.item_phases | {Phase.BACKWARD}
         twin = _fake_twin(meta_model, fake_mode, float_dtype, checkpointing)
         twin.to = lambda *args, **kwargs: twin  # fake parameters cannot be swapped in place
         return twin
@@ -168,9 +173,26 @@ class ZeroTransform:
             self._name_partitions(self.tracer)
 
     def _name_partitions(self, tracer: Tracer) -> None:
-        for category, tensors in zero_storages(self.engine.optimizer).items():
+        optimizer = self.engine.optimizer
+        for category, tensors in zero_storages(optimizer).items():
             for tensor in tensors:
                 tracer.retag(tensor, category)
+        if self.layout.offload is not Offload.NONE:  # the fp32 partitions' gradients too
+            for master in _tensors_in(getattr(optimizer, "single_partition_of_fp32_groups", ())):
+                if master.grad is not None:
+                    self._host.update(tracer.uids(master.grad))
+
+    def finish(self, trace: Any) -> Any:
+        if self.layout.offload is Offload.NONE:
+            return trace
+        from batchfit.engine.trace import Phase
+        from batchfit.sharding.offload import on_device
+
+        categories = [Category.OPTIMIZER_STATE]
+        if self.layout.offload is Offload.PARAMS:
+            categories.append(Category.PARAMETERS)  # ZeRO-3 offload_param: the partitions
+        return on_device(trace, categories=categories, phases=(Phase.OPTIMIZER,),
+                         host=self._host)
 
 
 #: Where DeepSpeed's ZeRO optimizers keep their partitions (runtime/zero/stage_1_and_2.py,
