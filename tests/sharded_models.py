@@ -62,3 +62,19 @@ def transformer_inputs():
 
 
 CNN_INPUTS = (3, 16, 16)
+
+
+def tiny_llama():
+    """A 2-layer Llama (4 heads, 2 key-value heads) built by transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def llama_inputs():
+    from batchfit.engine.spec import TensorSpec
+
+    ids = TensorSpec((SEQ,), "int64", 0, 128)
+    return {"input_ids": ids, "labels": ids}

@@ -86,6 +86,54 @@ def inner_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
             yield from inner_tensors(inner)
 
 
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions and redistribution plans.
+
+    They hold the device meshes they were made for, and a mesh names its process groups;
+    an equal mesh of a later fake world would get the earlier world's (destroyed) groups
+    back from the cache ("Could not resolve the process group registered under ...").
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _redistribute
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cache in (getattr(propagator, "propagate_op_sharding", None),
+                  getattr(ShardingPropagator, "_propagate_tensor_meta_cached", None),
+                  getattr(_redistribute, "_gen_transform_infos", None)):
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    clear_plans = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_plans is not None:
+        clear_plans()
+
+
+@contextlib.contextmanager
+def around_dtensor_shape_propagation(wrap: Callable[[], Any]) -> Iterator[None]:
+    """Run DTensor's output-shape propagation inside the context ``wrap()`` returns.
+
+    To learn an op's output shape DTensor runs the op on fake tensors of the active fake
+    mode (``ShardingPropagator._propagate_tensor_meta_non_cached``); in a trace that mode
+    is the trace's own, so those throwaway tensors would look like allocations. Patched
+    for the block, restored after.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with wrap():
+            return original(self, *args, **kwargs)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (its first inner tensor); any other tensor itself."""
     return next(inner_tensors(tensor), tensor)

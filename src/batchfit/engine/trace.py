@@ -128,6 +128,7 @@ class Tracer:
         self.category_rule: Any = None
         #: phases whose unknown ``.item()`` values are answered (see :meth:`_shortcut`)
         self.item_phases: frozenset[Phase] = frozenset({Phase.OPTIMIZER})
+        self._muted = 0
         self.in_op_scratch = in_op_scratch  # kernels.py
         self.device_type = device_type
         self.phase = Phase.SETUP
@@ -260,7 +261,19 @@ class Tracer:
         self._live[key] = [nbytes, category, module, ref, uid]
         self.events.append(Event(EventKind.ALLOC, uid, nbytes, category, module, op, self.phase))
 
+    @contextlib.contextmanager
+    def muted(self) -> Any:
+        """Ops in the block allocate nothing on the device (DTensor runs ops on fake
+        tensors of the active fake mode to learn output shapes): none is recorded."""
+        self._muted += 1
+        try:
+            yield
+        finally:
+            self._muted -= 1
+
     def _on_output(self, func: Any, args: tuple, out: Any) -> None:
+        if self._muted:
+            return
         for observe in self.observers:
             observe(func, args, out)
         module = None
@@ -743,6 +756,8 @@ def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: An
                                                 device="meta"))
         if grad is not None:
             g = ti.local_tensor(grad)
+            if g.shape != p.shape:  # a DTensor gradient placed unlike its parameter (tensor
+                return None  # parallel): the optimizer redistributes it, on the fake twin
             twin.grad = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device="meta")
         twins.append(twin)
     # On a GPU, what an optimizer makes without a device (Adam's, Adagrad's, RMSprop's and

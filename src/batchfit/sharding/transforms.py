@@ -110,13 +110,17 @@ class _Transform:
         layout = self.layout
         replicas = layout.nodes if layout.strategy is Strategy.HSDP else 1
         with fake_world(layout.world_size, self.rank, replicas=replicas,
-                        tp=layout.tp) as world, ti.watching_resizes(self._on_resize):
+                        tp=layout.tp) as world, ti.watching_resizes(self._on_resize), \
+                ti.around_dtensor_shape_propagation(self._muted):
             self.world = world
             try:
                 yield
             finally:
                 self.world = None
                 self.tracer = None
+
+    def _muted(self) -> Any:
+        return self.tracer.muted() if self.tracer is not None else contextlib.nullcontext()
 
     def _on_resize(self, storage: Any, nbytes: int) -> None:
         if self.tracer is not None:

@@ -16,11 +16,15 @@ fresh child process).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from batchfit.engine import _torch_internals as ti
 from batchfit.errors import InvalidInputError
+
+_WORLDS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -55,14 +59,19 @@ def meshes(world_size: int, rank: int, *, replicas: int = 1, tp: int = 1) -> Wor
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    # DTensor caches decisions by mesh, and equal meshes (same ranks and dimension names)
+    # compare equal: a mesh of an earlier fake world, whose process groups are gone, would
+    # come back from those caches. So every world's dimension names are its own.
+    tag = next(_WORLDS)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=(f"world{tag}",))
     dp_mesh, tp_mesh = mesh, None
     if tp > 1:
-        grid = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-        dp_mesh, tp_mesh = grid["dp"], grid["tp"]
+        grid = init_device_mesh("cpu", (world_size // tp, tp),
+                                mesh_dim_names=(f"dp{tag}", f"tp{tag}"))
+        dp_mesh, tp_mesh = grid[f"dp{tag}"], grid[f"tp{tag}"]
     elif replicas > 1:
         dp_mesh = init_device_mesh("cpu", (replicas, world_size // replicas),
-                                   mesh_dim_names=("replicate", "shard"))
+                                   mesh_dim_names=(f"replicate{tag}", f"shard{tag}"))
     return World(rank, world_size, mesh, dp_mesh, tp_mesh)
 
 
@@ -84,7 +93,9 @@ def fake_world(world_size: int, rank: int, *, replicas: int = 1, tp: int = 1
             "be a fake rank: predict a sharded step before init_process_group, or in a "
             "fresh process")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    ti.clear_dtensor_caches()
     try:
         yield meshes(world_size, rank, replicas=replicas, tp=tp)
     finally:
         dist.destroy_process_group()
+        ti.clear_dtensor_caches()

@@ -106,6 +106,42 @@ def _deepspeed_globals() -> Iterator[None]:
         ds_comm.cdb = backend
 
 
+#: What DeepSpeed replaces in torch and leaves replaced ("nn.functional.linear has been
+#: overridden with a more memory efficient version. This will persist unless manually
+#: reset", runtime/zero/partition_parameters.py): put back after a trace, so the
+#: user's process (and later traces) run torch's own.
+_TORCH_FUNCTIONS = (
+    ("torch.nn.functional", "linear"), ("torch", "tensor"), ("torch", "empty"),
+    ("torch", "zeros"), ("torch", "ones"), ("torch", "full"), ("torch", "arange"),
+    ("torch", "eye"), ("torch", "randn"), ("torch.Tensor", "__new__"),
+    ("torch.nn.Module", "apply"),
+)
+
+
+@contextlib.contextmanager
+def _torch_functions_kept() -> Iterator[None]:
+    import importlib
+
+    def owner(path: str) -> Any:
+        module, _, attribute = path.rpartition(".")
+        if path in ("torch.Tensor", "torch.nn.Module"):
+            return getattr(importlib.import_module(module), attribute)
+        return importlib.import_module(path)
+
+    missing = object()
+    saved = [(owner(path), name, vars(owner(path)).get(name, missing))
+             for path, name in _TORCH_FUNCTIONS]
+    try:
+        yield
+    finally:
+        for target, name, value in saved:
+            if value is missing:  # inherited before: drop what DeepSpeed put on top
+                if name in vars(target):
+                    delattr(target, name)
+            elif vars(target).get(name, missing) is not value:
+                setattr(target, name, value)
+
+
 def initialize(runner: Any, layout: Parallelism, precision: Precision) -> Any:
     """Hand ``runner``'s model and optimizer to DeepSpeed; the runner then trains
     through DeepSpeed's engine. Returns the engine."""
@@ -143,16 +179,16 @@ class ZeroTransform:
         coordinator.assert_ints_same_as_other_ranks = lambda *args, **kwargs: None
         try:
             with deepspeed_environment(self.rank, self.layout.world_size), \
-                    fake_world(self.layout.world_size, self.rank), _deepspeed_globals():
+                    fake_world(self.layout.world_size, self.rank), _deepspeed_globals(), \
+                    _torch_functions_kept():
                 yield
         finally:
             coordinator.assert_ints_same_as_other_ranks = check
 
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
               float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
-        from batchfit.sharding.transforms import _fake_twin
-
         from batchfit.engine.trace import Phase
+        from batchfit.sharding.transforms import _fake_twin
 
         self.tracer = tracer
         # DeepSpeed's offload checks each gradient for overflow during backward
