@@ -138,6 +138,37 @@ def render_max_batch(result: Any, model: str) -> Group:
     return Group(*lines)
 
 
+def render_plan(result: Any, model: str) -> Group:
+    """The layouts, fastest first, then the infeasible ones with their reasons."""
+    table = Table(title=f"{model} on {result.world_size} x {result.gpu}"
+                        + (f" ({result.nodes} nodes)" if result.nodes > 1 else "")
+                        + f", global batch {result.global_batch_size}", title_justify="left")
+    for column in ("layout", "micro x accum", "memory/GPU", "compute", "comms", "step",
+                   "samples/s"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    notes = []
+    for row in result.rows:
+        name = (f"{row.strategy}{f' tp{row.tp}' if row.tp > 1 else ''}"
+                f"{' +ckpt' if row.checkpointing else ''}"
+                f"{f' +offload {row.offload}' if row.offload != 'none' else ''}")
+        if not row.feasible:
+            table.add_row(Text(name, style="dim"), "-", "-", "-", "-", "-", "-")
+            notes.append(Text(f"{name}: {row.reason}", style="dim"))
+            continue
+        table.add_row(name, f"{row.micro_batch_size} x {row.accumulation_steps}",
+                      format_bytes(row.memory_per_gpu_bytes), f"{row.compute_s:.3f} s",
+                      f"{row.communication_s:.3f} s", f"{row.step_s:.3f} s",
+                      f"{row.samples_per_s:,.1f}")
+    lines: list[Any] = [table, *notes]
+    if result.best is not None:
+        best = result.best
+        lines.append(Text(f"fastest: {best.strategy}, micro-batch {best.micro_batch_size} x "
+                          f"{best.accumulation_steps} accumulation steps "
+                          f"({best.step_s:.3f} s per step, no overlap of compute and "
+                          "communication assumed)", style="italic"))
+    return Group(*lines)
+
+
 def render_gpus(gpus: Sequence[Any]) -> Table:
     table = Table(title="GPU catalog", title_justify="left")
     for column in ("name", "memory", "SMs", "cc/arch", "bf16 TFLOP/s", "bandwidth"):

@@ -23,11 +23,16 @@ from batchfit.sharding.layout import Parallelism, Strategy
 
 def trace_config(config: TrainConfig, layout: Parallelism) -> TrainConfig:
     """The config the trace runs: FSDP's mixed precision replaces autocast
-    (:func:`batchfit.sharding.transforms.mixed_precision`)."""
+    (:func:`batchfit.sharding.transforms.mixed_precision`), and DeepSpeed's ``bf16`` and
+    ``fp16`` modes (16-bit parameters, fp32 master weights in its optimizer) replace it
+    for ZeRO (:func:`batchfit.sharding.zero.deepspeed_config`)."""
     from batchfit.sharding.transforms import mixed_precision
 
-    if layout.strategy is Strategy.DDP or layout.strategy.is_zero:
+    if layout.strategy is Strategy.DDP:
         return config
+    if layout.strategy.is_zero:  # DeepSpeed's bf16/fp16 modes, not autocast
+        sixteen = {Precision.AMP_BF16: Precision.BF16, Precision.AMP_FP16: Precision.FP16}
+        return replace(config, precision=sixteen.get(config.precision, config.precision))
     _, _, keep_autocast = mixed_precision(layout, config.precision)
     if not keep_autocast and config.precision in (Precision.AMP_BF16, Precision.AMP_FP16):
         return replace(config, precision=Precision.FP32)

@@ -86,6 +86,25 @@ def deepspeed_environment(rank: int, world_size: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _quiet_deepspeed() -> Iterator[None]:
+    """DeepSpeed prints to stdout (its op builds) and logs warnings meant for a training
+    job; a prediction's output is the user's (``--json`` is one object on stdout)."""
+    import io
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("DeepSpeed", "deepspeed")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
 def _deepspeed_globals() -> Iterator[None]:
     """DeepSpeed keeps its process groups (and its communication backend) in module
     globals; a trace's groups die with its fake world, so they are put back after."""
@@ -171,6 +190,10 @@ class ZeroTransform:
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
+        with _quiet_deepspeed():
+            yield from self._session()
+
+    def _session(self) -> Iterator[None]:
         import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
 
         from batchfit.sharding.world import fake_world
