@@ -49,7 +49,7 @@ def jobs_for(world: int) -> list:
     jobs = []
     models = [(sm.TinyTransformer, sm.transformer_inputs(), 8), (sm.TinyCNN, sm.CNN_INPUTS, 8)]
     for factory, inputs, batch in models:
-        for strategy in ("ddp", "fsdp", "fsdp-grad-op", "zero1", "zero2", "zero3"):
+        for strategy in ("ddp", "fsdp", "fsdp-grad-op", "fsdp1", "zero1", "zero2", "zero3"):
             layout = Parallelism(world_size=world, strategy=strategy, bucket_cap_mb=0.05,
                                  deepspeed=BUCKETS if strategy.startswith("zero") else {})
             jobs.append(ShardedJob(factory, inputs, batch, config, layout))

@@ -1,10 +1,11 @@
-"""One rank's step under DDP or FSDP, traced with torch's own classes on fake tensors.
+"""One rank's step under DDP, FSDP2 or tensor parallel, traced with torch's own classes.
 
 Each transform implements :class:`batchfit.engine.trace.StepTransform`: it makes this
 process rank ``r`` of a fake world (:mod:`batchfit.sharding.world`), wraps the model
-with ``DistributedDataParallel``, FSDP2's ``fully_shard`` or FSDP1's
-``FullyShardedDataParallel``, and lets :func:`batchfit.engine.trace.trace_step` trace
-two whole training steps (the second is the steady one). Whatever the wrappers allocate
+with ``DistributedDataParallel``, FSDP2's ``fully_shard`` or DTensor's tensor parallel
+(:func:`shard_model`, the same code a measured run uses), and lets
+:func:`batchfit.engine.trace.trace_step` trace the step on fake tensors (DeepSpeed ZeRO:
+:mod:`batchfit.sharding.zero`). Whatever the wrappers allocate
 is traced as it happens, with its real lifetime: DDP's gradient buckets, FSDP's
 all-gather outputs and gathered parameters (freed by resizing their storages to 0),
 its reduce-scatter buffers and sharded gradients.
@@ -18,8 +19,8 @@ What the tensors are for is read from the wrappers' own ``record_function`` scop
 * ``FSDP::post_backward_reduce``: the reduce-scatter input and output
   (``COMMUNICATION``); the output becomes the sharded gradient (``GRADIENTS``) when
   FSDP hands it to the parameter (it calls the parameter's post-accumulate-grad hooks);
-* DDP's buckets, allocated when the model is wrapped and again when DDP rebuilds them
-  in the order gradients became ready (at the second step), are ``COMMUNICATION``, or
+* DDP's buckets, allocated when the model is wrapped (and again when DDP rebuilds them
+  in the order gradients became ready, at a second step), are ``COMMUNICATION``, or
   ``GRADIENTS`` with ``gradient_as_bucket_view``.
 
 Adapters for the fake process group (each the least that lets torch's code run; none
@@ -52,12 +53,20 @@ _RF_ENTER = torch.ops.profiler._record_function_enter_new.default
 _RF_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-#: Categories of the storages FSDP creates inside its scopes (FSDP2 names; see the
-#: module docstring). The innermost scope that is listed decides.
+#: Categories of the storages FSDP creates inside its scopes (see the module docstring).
+#: The innermost scope that is listed decides.
 _FSDP_SCOPES = {
     "FSDP::all_gather": Category.COMMUNICATION,
     "FSDP::all_gather_copy_out": Category.GATHERED_PARAMETERS,
     "FSDP::post_backward_reduce": Category.COMMUNICATION,
+    # FSDP1 (torch/distributed/fsdp/_runtime_utils.py): unsharding gathers the padded flat
+    # parameter; the post-backward hook reduce-scatters the flat gradient
+    "FullyShardedDataParallel._pre_forward": Category.GATHERED_PARAMETERS,
+    "FullyShardedDataParallel._pre_backward_hook": Category.GATHERED_PARAMETERS,
+    "FullyShardedDataParallel._pre_forward_prefetch": Category.GATHERED_PARAMETERS,
+    "FullyShardedDataParallel._pre_backward_prefetch": Category.GATHERED_PARAMETERS,
+    "FullyShardedDataParallel._post_backward_prefetch": Category.GATHERED_PARAMETERS,
+    "FullyShardedDataParallel._post_backward_hook": Category.COMMUNICATION,
 }
 
 
@@ -158,9 +167,15 @@ def _fake_twin(meta_model: nn.Module, fake_mode: Any, float_dtype: torch.dtype |
 
 class DDPTransform(_Transform):
     """``DistributedDataParallel`` on one fake rank (``bucket_cap_mb``,
-    ``gradient_as_bucket_view`` from the layout)."""
+    ``gradient_as_bucket_view`` from the layout).
 
-    whole_steps = True
+    One forward and backward with the optimizer on meta twins, as for one GPU: DDP's
+    second step differs from its first only by rebuilding its buckets in the order the
+    gradients became ready (same total size; on the test models the same peak to the
+    byte). When two whole steps are traced (gradients kept between steps), the rebuild
+    runs before the second (:meth:`before_step`)."""
+
+    whole_steps = False
 
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
               float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
@@ -339,6 +354,46 @@ def _fsdp_state(module: nn.Module) -> Any:
     return module._get_fsdp_state() if isinstance(module, FSDPModule) else None
 
 
+class FSDP1Transform(_Transform):
+    """FSDP1's ``FullyShardedDataParallel`` on one fake rank (flat parameters,
+    ``use_orig_params=True``), wrapping the units of :func:`sharded_units`.
+
+    FSDP1 flattens and shards a materialised module, so it wraps the fake twin (as DDP
+    does); it frees and re-gathers its padded flat parameter by resizing storages. One
+    forward and backward, the optimizer on meta twins of the local shards."""
+
+    whole_steps = False
+
+    def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
+              float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
+        import warnings
+
+        self._follow(tracer)
+        twin = _fake_twin(meta_model, fake_mode, float_dtype, checkpointing)
+        with warnings.catch_warnings():  # FSDP1 compares storage pointers (fake: 0)
+            warnings.simplefilter("ignore", UserWarning)
+            self.module = shard_model(twin, self.layout, self.world, self.precision)
+        return self.module
+
+
+def _fsdp1(model: nn.Module, layout: Parallelism, precision: Precision) -> nn.Module:
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    units = {id(unit) for _, unit in sharded_units(model, layout.wrap)}
+    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in units)
+    param, reduce, _ = mixed_precision(layout, precision)
+    strategy = (ShardingStrategy.FULL_SHARD if layout.resharded_after_forward
+                else ShardingStrategy.SHARD_GRAD_OP)
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True,
+        sharding_strategy=strategy,
+        mixed_precision=MixedPrecision(param_dtype=param, reduce_dtype=reduce)
+        if param is not None or reduce is not None else None)
+
+
 def _set_prefetch(units: list[nn.Module], count: int) -> None:
     if count <= 0:
         return
@@ -365,6 +420,8 @@ def shard_model(model: nn.Module, layout: Parallelism, world: World,
 
         return DistributedDataParallel(model, bucket_cap_mb=layout.bucket_cap_mb,
                                        gradient_as_bucket_view=layout.gradient_as_bucket_view)
+    if layout.strategy is Strategy.FSDP1:
+        return _fsdp1(model, layout, precision)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     units = sharded_units(model, layout.wrap)
@@ -398,6 +455,6 @@ def transform_for(layout: Parallelism, rank: int, precision: Precision) -> Any:
         from batchfit.sharding.zero import ZeroTransform
 
         return ZeroTransform(layout, rank, precision)
-    if strategy in (Strategy.FSDP, Strategy.FSDP_GRAD_OP, Strategy.HSDP, Strategy.TP):
-        return FSDP2Transform(layout, rank, precision)
-    raise NotImplementedError(f"strategy {strategy.value} is not traced yet")
+    if strategy is Strategy.FSDP1:
+        return FSDP1Transform(layout, rank, precision)
+    return FSDP2Transform(layout, rank, precision)

@@ -3,16 +3,16 @@
 For each candidate layout (strategy, tensor-parallel degree, activation checkpointing,
 offload) on ``world`` GPUs of one kind:
 
-1. **Memory**: the largest per-GPU micro-batch that fits rank 0
-   (:func:`batchfit.answers.maxbatch.max_batch_size` with the layout; rank 0 holds the
-   longest shards); none fits: the layout is infeasible, and says so.
-2. **The micro-batch used**: the largest that fits and divides the per-replica batch
-   ``global_batch / data_parallel_size``; gradient accumulation makes up the rest.
-3. **Compute**: the roofline of one micro-step on the GPU (:mod:`batchfit.speed.roofline`:
+1. **Memory and the micro-batch**: the largest per-GPU micro-batch that divides the
+   per-replica batch ``global_batch / data_parallel_size`` and fits rank 0 on the card
+   (:func:`batchfit.answers.ranks.estimate_ranks`; rank 0 holds the longest shards),
+   found by bisection over those divisors, one trace each; gradient accumulation makes
+   up the rest. None fits: the layout is infeasible, and says so.
+2. **Compute**: the roofline of one micro-step on the GPU (:mod:`batchfit.speed.roofline`:
    the traced ops of the single-GPU step at that micro-batch, timed against the card's
    peak FLOP/s and bandwidth), divided by the tensor-parallel degree for tensor-parallel
    layouts.
-4. **Communication**: the bytes each GPU moves per step (:func:`communication_bytes`,
+3. **Communication**: the bytes each GPU moves per step (:func:`communication_bytes`,
    ring collectives: an all-gather or reduce-scatter over ``n`` ranks moves ``(n-1)/n``
    of the data through every rank, an all-reduce twice that), over the link that group
    uses: NVLink or PCIe inside a node (:mod:`batchfit.device.interconnect`), the network
@@ -54,9 +54,9 @@ class LayoutPlan:
         strategy, tp, offload, checkpointing: the layout.
         feasible: a micro-batch fits and the global batch divides over the replicas.
         reason: why not, when infeasible.
-        micro_batch_size: per-GPU batch of one forward and backward.
+        micro_batch_size: per-GPU batch of one forward and backward: the largest that
+            fits rank 0 and divides the per-replica batch.
         accumulation_steps: micro-steps per optimizer step.
-        max_micro_batch_size: the largest that fits (memory).
         memory_per_gpu_bytes: rank 0's device memory at the micro-batch used.
         compute_s, communication_s, step_s: predicted seconds per optimizer step.
         samples_per_s: ``global_batch / step_s``.
@@ -71,7 +71,6 @@ class LayoutPlan:
     reason: str = ""
     micro_batch_size: int = 0
     accumulation_steps: int = 0
-    max_micro_batch_size: int = 0
     memory_per_gpu_bytes: int = 0
     compute_s: float = 0.0
     communication_s: float = 0.0
@@ -218,7 +217,6 @@ def _best_variant(model: Any, inputs: Any, config: TrainConfig, card: Any, layou
 
 def _evaluate(model: Any, inputs: Any, config: TrainConfig, card: Any, layout: Any,
               global_batch: int, facts: _Model, speed: _Speed, network: float) -> LayoutPlan:
-    from batchfit.answers.maxbatch import max_batch_size
     from batchfit.device.profile import gpu_profile
 
     base = LayoutPlan(layout.strategy.value, layout.tp, layout.offload.value,
@@ -229,11 +227,13 @@ def _evaluate(model: Any, inputs: Any, config: TrainConfig, card: Any, layout: A
                                     f"{replicas} data-parallel ranks")
     per_replica = global_batch // replicas
     try:
-        limit = max_batch_size(model, inputs, config, device=gpu_profile(card),
-                               parallel=layout, max_batch_limit=per_replica)
+        micro, memory = _largest_divisor_that_fits(model, inputs, config, gpu_profile(card),
+                                                   layout, per_replica)
     except BatchfitError as exc:
         return replace(base, reason=str(exc).split(":")[0])
-    micro = max(b for b in range(1, limit.max_batch_size + 1) if per_replica % b == 0)
+    if micro is None:
+        return replace(base, reason=f"a micro-batch of 1 needs {memory / 2**30:.1f} GiB per "
+                                    f"GPU, over the {card.memory_bytes / 2**30:.1f} GiB card")
     accumulation = per_replica // micro
     compute = speed.micro_step_s(config, micro) / layout.tp * accumulation
     volume, pcie_volume = communication_bytes(layout, facts, config.precision, micro,
@@ -241,23 +241,38 @@ def _evaluate(model: Any, inputs: Any, config: TrainConfig, card: Any, layout: A
     seconds = volume / _bandwidth(layout, card, network) + pcie_volume / _pcie(card)
     step = compute + seconds
     return replace(base, feasible=True, micro_batch_size=micro, accumulation_steps=accumulation,
-                   max_micro_batch_size=limit.max_batch_size,
-                   memory_per_gpu_bytes=_memory_at(limit, micro),
+                   memory_per_gpu_bytes=memory,
                    compute_s=compute, communication_s=seconds, step_s=step,
                    samples_per_s=global_batch / step, communication_bytes=int(volume + pcie_volume))
 
 
-def _memory_at(limit: Any, micro: int) -> int:
-    """Rank 0's device bytes at ``micro``, between the batch sizes the solve traced."""
-    pairs = sorted(limit.evaluated)
-    device = limit.device
-    extra = device.outside_allocator_bytes + device.workspace_bytes
-    below = max((p for p in pairs if p[0] <= micro), default=pairs[0])
-    above = min((p for p in pairs if p[0] >= micro), default=pairs[-1])
-    if above[0] == below[0]:
-        return below[1] + extra
-    share = (micro - below[0]) / (above[0] - below[0])
-    return round(below[1] + share * (above[1] - below[1])) + extra
+def _largest_divisor_that_fits(model: Any, inputs: Any, config: TrainConfig, device: Any,
+                               layout: Any, per_replica: int) -> tuple[int | None, int]:
+    """The largest micro-batch that divides ``per_replica`` and fits rank 0, and its bytes
+    (None and the bytes at 1 when none fits): a bisection over the divisors, one trace
+    each, since memory grows with the micro-batch."""
+    from batchfit.answers.ranks import estimate_ranks
+
+    divisors = [b for b in range(1, per_replica + 1) if per_replica % b == 0]
+    sizes: dict[int, int] = {}
+
+    def need(batch: int) -> int:
+        if batch not in sizes:
+            sizes[batch] = estimate_ranks(model, inputs, batch, config, device=device,
+                                          parallel=layout, first_step=False).total_bytes
+        return sizes[batch]
+
+    budget = device.total_memory_bytes
+    low, high = -1, len(divisors)  # divisors[low] fits (or low = -1), divisors[high] does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if need(divisors[middle]) <= budget:
+            low = middle
+        else:
+            high = middle
+    if low < 0:
+        return None, need(divisors[0])
+    return divisors[low], need(divisors[low])
 
 
 def communication_bytes(layout: Any, facts: _Model, precision: Precision, micro: int,
