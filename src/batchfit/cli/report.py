@@ -66,6 +66,16 @@ def ranks_table(parallel: Any, rows: Sequence[tuple[int, str, int]], binding_ran
     return table
 
 
+def unified_memory_note(device: Any) -> Text | None:
+    """For a GPU that shares its memory with the CPU (Jetson), what the answer assumes."""
+    if not getattr(device, "unified_memory", False):
+        return None
+    return Text(
+        f"note: {device.name} shares its {format_bytes(device.total_memory_bytes)} with the CPU "
+        "and the OS (unified memory); this assumes all of it is free for CUDA: give --memory "
+        "with what is free before training (MemAvailable in /proc/meminfo)", style="yellow")
+
+
 def render_estimate(est: Any) -> Group:
     """The breakdown, the top layers and one sentence."""
     device = est.device
@@ -82,6 +92,8 @@ def render_estimate(est: Any) -> Group:
             f"{format_bytes(device.context_bytes)}"
             + (f" + NCCL {format_bytes(device.nccl_bytes)}" if device.nccl_bytes else "")
             + f"; card {format_bytes(device.total_memory_bytes)}"))
+    if (note := unified_memory_note(device)) is not None:
+        lines.append(note)
     if est.first_step_peak_bytes not in (None, est.total_bytes):
         lines.append(Text(f"first step (creates optimizer state): "
                           f"{format_bytes(est.first_step_peak_bytes)}"))
@@ -106,6 +118,8 @@ def render_max_batch(result: Any, model: str) -> Group:
         ("Largest batch: ", "bold"), (f"{result.max_batch_size}", "bold green"),
         f" for {model} on {where} ({format_bytes(result.memory_bytes)})")
     lines: list[Any] = [head]
+    if (note := unified_memory_note(device)) is not None:
+        lines.append(note)
     budget = Table(show_header=False, box=None)
     budget.add_column()
     budget.add_column(justify="right")
@@ -203,6 +217,8 @@ def render_bench(result: Any, model: str) -> Group:
         f"{result.recommended_batch_size}; largest that fits {result.max_batch_size}")]
     if getattr(result, "epoch_s", None):
         lines.append(Text(f"epoch of {result.dataset_size:,} samples: {result.epoch_s:,.1f} s"))
+    if getattr(result, "note", ""):
+        lines.append(Text(f"note: {result.note}", style="italic"))
     alignment = getattr(result, "alignment", None)
     if alignment is not None:
         lines.append(Text(alignment.verdict.text, style="italic"))
@@ -229,4 +245,8 @@ def render_search(result: Any, model: str) -> Group:
     if result.predicted_max_batch_size is not None and result.prediction_error is not None:
         lines.append(Text(f"predicted {result.predicted_max_batch_size} "
                           f"({result.prediction_error:+.1%} vs the device)"))
+    boundary = getattr(result, "boundary", ())
+    if boundary:
+        lines.append(Text("in fresh processes: " + ", ".join(
+            f"batch {b} fits in {k} of {n}" for b, k, n in boundary)))
     return Group(*lines)

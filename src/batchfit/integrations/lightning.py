@@ -37,12 +37,14 @@ from collections.abc import Mapping
 from copy import deepcopy
 from typing import Any
 
+import torch
 from torch import nn
 
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.loggers.logger import DummyLogger
+    from lightning.pytorch.utilities import rank_zero_info
     from lightning.pytorch.utilities.parsing import (
         lightning_getattr,
         lightning_hasattr,
@@ -52,6 +54,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("batchfit.integrations.lightning needs Lightning: "
                       "pip install 'batchfit[lightning]'") from exc
 
+from batchfit.device.profile import available_memory_bytes
 from batchfit.engine.spec import TrainConfig
 from batchfit.errors import InvalidInputError
 from batchfit.integrations._seed import (
@@ -65,7 +68,9 @@ from batchfit.integrations._trials import (
     SearchLimits,
     check_positive_int,
     check_steps,
+    cpu_memory_cap,
     search_in_process,
+    trial_line,
 )
 from batchfit.realrun.state import StateSnapshot
 
@@ -85,7 +90,9 @@ class BatchfitFinder(Callback):
         device: the prediction's target: a catalog GPU name, a
             :class:`~batchfit.DeviceProfile` or ``"cpu"``. Default: the GPU the module is
             on; on the CPU there is no prediction unless ``memory_bytes`` is given.
-        memory_bytes: the prediction's memory budget (overrides the device's).
+        memory_bytes: the prediction's memory budget (overrides the device's); on the CPU
+            also the budget the trial fits run under (default there: the memory the machine
+            has available now), so that they can run out of memory at all.
         steps_per_trial: optimizer steps per trial fit (>= 2).
         max_trials: trial fits at most; when they run out, the largest batch that ran is
             used (``search.confirmed`` is then False).
@@ -202,7 +209,8 @@ class BatchfitFinder(Callback):
 
             search, _ = search_in_process(trial, limits, predicted=predicted,
                                           start=self.init_val, after_trial=after_trial,
-                                          started=started)
+                                          started=started, cap=self._cpu_cap(trainer, pl_module),
+                                          on_trial=_report_trial)
             chosen = search.recommended_batch_size
         finally:
             saved.restore(trainer)
@@ -211,6 +219,22 @@ class BatchfitFinder(Callback):
             _restore(snapshots)  # last: nothing after it may draw random numbers
         self.search = search
         return search
+
+    def _cpu_cap(self, trainer: pl.Trainer, module: pl.LightningModule) -> Any:
+        """On the CPU, trials run under the budget (``memory_bytes``, default: the memory the
+        machine has available now) less what the model and optimizers hold: in-process
+        trials otherwise never run out of memory before the machine does (13 trial fits of
+        a small CNN in 2 minutes, and counting). None on a GPU (its memory is the cap)."""
+        if module.device.type != "cpu":
+            return None
+        budget = self.memory_bytes or available_memory_bytes()
+        if budget is None:
+            return None
+        held = _unique_bytes(list(module.parameters()) + list(module.buffers())
+                             + [t for o in trainer.optimizers for st in o.state.values()
+                                for t in st.values() if isinstance(t, torch.Tensor)])
+        room = max(0, budget - held)
+        return lambda: cpu_memory_cap(room)
 
     def _predict(self, trainer: pl.Trainer, module: pl.LightningModule, loader: Any,
                  limit: int) -> int | None:
@@ -241,6 +265,16 @@ class _TrainingStep(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module.training_step(self.rebuild(args, kwargs), 0)
         return out["loss"] if isinstance(out, Mapping) else out
+
+
+def _report_trial(trial: Any) -> None:
+    """One line per trial fit, through Lightning's console logger (rank zero)."""
+    rank_zero_info(f"BatchfitFinder: {trial_line(trial)}")
+
+
+def _unique_bytes(tensors: list[Any]) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())
 
 
 def _config(trainer: pl.Trainer) -> TrainConfig:
@@ -330,3 +364,120 @@ class _TrainerState:
         trainer.should_stop = self.should_stop
         trainer._logger_connector.reset_results()  # the trials' logged values
         trainer._logger_connector.reset_metrics()
+
+
+class NoiseScaleLogger(Callback):
+    """Log the gradient noise scale ``B_simple`` (and its parts) while ``trainer.fit`` runs.
+
+    It reads the gradients the fit computes anyway (see
+    :class:`batchfit.stats.NoiseScaleMonitor`): each accumulated micro-batch's gradient on
+    each rank (before DDP's all-reduce) is a small batch, their average the big one, read
+    before the precision plugin unscales and clips it; the GradScaler's scale and Lightning's
+    division of the loss by ``accumulate_grad_batches`` are undone. So it needs two or more
+    gradients per optimizer step: ``Trainer(accumulate_grad_batches=2)`` (halve the
+    dataloader's batch size to keep the same update), or DDP over several devices.
+
+    Every ``log_every_n_steps`` optimizer steps (the trainer's unless given) it logs
+    ``noise/b_simple``, ``noise/grad_sq_norm``, ``noise/trace_sigma`` and the interval's
+    ends through the module's loggers; :attr:`result` holds the whole-run estimate after
+    the fit.
+
+    Args:
+        every: measure one optimizer step in ``every``.
+        ema_decay: decay per measured step of each part's moving average (None: a plain
+            mean over the run).
+        log_every_n_steps: logging period in optimizer steps (default: the trainer's).
+        prefix: of the logged names.
+
+    Attributes:
+        monitor: the :class:`~batchfit.stats.NoiseScaleMonitor` during the fit.
+        result: the :class:`~batchfit.stats.NoiseScale` at the end of the fit.
+
+    Raises:
+        InvalidInputError: at ``fit`` start: one gradient per step (no accumulation, one
+            device), manual optimization, or sharded gradients (FSDP, DeepSpeed).
+
+    Example:
+        >>> import torch, lightning.pytorch as pl
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> class Net(pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layer = torch.nn.Linear(8, 1)
+        ...     def training_step(self, batch, batch_idx):
+        ...         return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.01)
+        >>> data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+        >>> noise = NoiseScaleLogger()
+        >>> trainer = pl.Trainer(max_steps=10, accumulate_grad_batches=4, callbacks=[noise],
+        ...                      logger=False, enable_checkpointing=False,
+        ...                      enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(Net(), DataLoader(data, batch_size=8))
+        >>> noise.result.steps, noise.result.batch_small, noise.result.batch_big
+        (10, 8, 32)
+    """
+
+    def __init__(self, *, every: int = 1, ema_decay: float | None = 0.99,
+                 log_every_n_steps: int | None = None, prefix: str = "noise/") -> None:
+        from batchfit.stats.estimator import check_ema_decay
+
+        check_positive_int(every, "every")
+        if log_every_n_steps is not None:
+            check_positive_int(log_every_n_steps, "log_every_n_steps")
+        check_ema_decay(ema_decay)
+        self.every = every
+        self.ema_decay = ema_decay
+        self.log_every_n_steps = log_every_n_steps
+        self.prefix = prefix
+        self.monitor: Any = None
+        self.result: Any = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from batchfit.stats.monitor import NoiseScaleMonitor
+
+        if not pl_module.automatic_optimization:
+            raise InvalidInputError(
+                "NoiseScaleLogger follows Lightning's automatic optimization; with manual "
+                "optimization use batchfit.stats.NoiseScaleMonitor in training_step")
+        steps = trainer.accumulate_grad_batches
+        if steps * trainer.world_size < 2:
+            raise InvalidInputError(
+                "NoiseScaleLogger needs two or more gradients per optimizer step: use "
+                "Trainer(accumulate_grad_batches=2) with half the batch size, or DDP over "
+                "several devices")
+        self.monitor = NoiseScaleMonitor(
+            trainer.strategy.model or pl_module, every=self.every, ema_decay=self.ema_decay,
+            grad_scaler=getattr(trainer.precision_plugin, "scaler", None),
+            accumulation_steps=lambda: trainer.accumulate_grad_batches)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        from lightning.pytorch.utilities.data import extract_batch_size
+
+        if self.monitor is not None:
+            self.monitor.set_batch_size(extract_batch_size(batch))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: Any) -> None:
+        if self.monitor is None:
+            return
+        self.monitor.step()
+        period = self.log_every_n_steps or trainer.log_every_n_steps
+        if (trainer.global_step + 1) % period == 0 and trainer.loggers:
+            metrics = {self.prefix + k: v for k, v in self.monitor.metrics().items()}
+            if metrics:
+                pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.monitor is not None:
+            self.result = self.monitor.result()
+            self.monitor.close()
+            self.monitor = None

@@ -90,6 +90,8 @@ class ModelSpec:
         default_seq_len: the model's default sequence length (``input_spec`` holds the one
             in use, after any ``seq_len`` override).
         hf_labels: the batch carries ``labels`` so the HF model computes its own loss.
+        keras_compiled: for a Keras 3 model, whether its factory compiles it (its own
+            optimizer and loss are then used); None for other models.
     """
 
     name: str
@@ -100,6 +102,7 @@ class ModelSpec:
     vocab_size: int | None = None
     default_seq_len: int | None = None
     hf_labels: bool = False
+    keras_compiled: bool | None = None
 
 
 class HFTask(StrEnum):
@@ -604,10 +607,21 @@ def _load_file(path: Path, *, reload: bool) -> Any:
         module_spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(name, None)
-        raise ModelSpecError(f"importing model file '{path}' failed: {_one_line(exc)}") from exc
+        raise ModelSpecError(f"importing model file '{path}' failed: {_one_line(exc)}"
+                             f"{_keras_backend_hint()}") from exc
     finally:
         sys.path.remove(str(path.parent))
     return module
+
+
+def _keras_backend_hint() -> str:
+    """A note for a file that failed to import while Keras is set to another backend than
+    torch (Keras then imports that backend's package, e.g. tensorflow)."""
+    backend = os.environ.get("KERAS_BACKEND", "").strip().lower()
+    if backend in ("", "torch"):
+        return ""
+    return (f" (KERAS_BACKEND={backend}: batchfit predicts Keras models on the torch backend "
+            "only, as it traces torch ops; run with KERAS_BACKEND=torch)")
 
 
 def _file_callables(module: Any) -> list[str]:
@@ -653,24 +667,34 @@ def _resolve_file(user_spec: str, kwargs: dict[str, Any]) -> ModelSpec:
     factory_name = (match["factory"] or "").strip()
     if not path.is_file():
         raise ModelSpecError(f"model file '{match['path']}' not found")
+    from batchfit.engine import keras_step
+
     module = _load_file(path, reload=True)
     _file_factory(path, factory_name, module)  # a clear error before any call
-    with torch.device("meta"):
+    with torch.device("meta"), keras_step.build_scope("meta"):
         result = _call_factory(str(path), factory_name, kwargs)
-    _, input_spec, loss_fn = _unpack_factory_result(result, str(path), factory_name)
+    built, input_spec, loss_fn = _unpack_factory_result(result, str(path), factory_name)
+    keras_compiled = None
+    if keras_step.is_keras_model(built):  # Keras 3 (torch backend): its own input and step
+        keras_compiled = bool(getattr(built, "compiled", False))
+        if input_spec is None:
+            input_spec = keras_step.input_spec(built)
     factory = functools.partial(_build_from_file, str(path), factory_name, kwargs)
     token = _token_tensor(input_spec)
     return ModelSpec(name=user_spec, factory=factory, input_spec=input_spec, loss_fn=loss_fn,
                      is_token_model=token is not None,
                      vocab_size=token.high if token is not None else None,
-                     default_seq_len=token.shape[0] if token is not None else None)
+                     default_seq_len=token.shape[0] if token is not None else None,
+                     keras_compiled=keras_compiled)
 
 
 def _unpack_factory_result(result: Any, path: str,
                            factory_name: str) -> tuple[Any, InputSpec | None, Callable | None]:
     from torch import nn
+
+    from batchfit.engine import keras_step
     where = f"factory {factory_name}() in '{path}'"
-    if isinstance(result, nn.Module):
+    if isinstance(result, nn.Module) or keras_step.is_keras_model(result):
         module, input_spec, loss_fn = result, None, None
     elif isinstance(result, (tuple, list)) and len(result) in (2, 3):
         module, input_spec, loss_fn = (*result, None)[:3]
@@ -684,6 +708,8 @@ def _unpack_factory_result(result: Any, path: str,
                                        result.get("loss_fn"))
     else:
         module = None
+    if keras_step.is_keras_model(module):
+        keras_step.check_torch_backend(f"{where} returned a Keras model")
     if not isinstance(module, nn.Module):
         raise ModelSpecError(
             f"{where} returned {type(result).__name__}: return an nn.Module, (module, "
