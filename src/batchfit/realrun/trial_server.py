@@ -87,8 +87,9 @@ from batchfit.realrun.trial import (
 
 @dataclass(frozen=True)
 class TrialGroup:
-    """Where the ranks of a sharded trial meet: the launcher's store (torchrun's
-    ``MASTER_ADDR`` and ``MASTER_PORT``), under a prefix of this trial's own."""
+    """Where the ranks' processes of one sharded trial meet: the search's rank 0 hosts a
+    ``TCPStore`` at ``host:port`` (:class:`batchfit.realrun.distributed.TrialRendezvous`);
+    each trial uses a prefix of its own in it."""
 
     host: str
     port: int
