@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import re
 import sys
@@ -686,6 +687,10 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    # The same kind of chatter through torch's logging: transformers imports torchao's
+    # quantizer with every model, and torchao registers Enums as pytree constants, which
+    # torch.utils._pytree.register_constant logs as deprecated (its only log call).
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     # The cyclic collector would walk the objects torch and the model library create
     # while they import, again and again (0.64 s in 6 walks of a 12 s `max`); _setup()
     # freezes them once they exist and turns it back on (batchfit/_gc.py).
