@@ -136,7 +136,7 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
 def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) -> MemoryEstimate:
     """Turn a trace into an estimate on ``device``."""
     steady = replay_events(trace.steady_events, device)
-    overhead = device.context_bytes
+    overhead = device.outside_allocator_bytes
     if trace.first_events is trace.steady_events:
         first_peak: int | None = steady.peak_reserved_bytes + overhead
     elif first_step:

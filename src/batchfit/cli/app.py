@@ -76,6 +76,19 @@ AttnOpt = typer.Option(None, "--attn", help="attention implementation: sdpa (def
 JsonOpt = typer.Option(False, "--json", help="print one JSON object")
 PlotOpt = typer.Option(None, "--plot", help="write a PNG plot here")
 DebugOpt = typer.Option(False, "--debug", help="show tracebacks")
+WorldOpt = typer.Option(None, "--world-size",
+                        help="multi-GPU: GPUs the step is spread over (the batch is per GPU)")
+StrategyOpt = typer.Option(None, "--strategy", help="ddp (default), fsdp, fsdp-grad-op, hsdp, "
+                           "fsdp1, zero1, zero2, zero3, tp")
+OffloadOpt = typer.Option("none", "--offload", help="none, optimizer (ZeRO), params")
+TpOpt = typer.Option(1, "--tp", help="tensor-parallel degree (with --strategy tp or fsdp)")
+NodesOpt = typer.Option(1, "--nodes", help="machines the GPUs span (HSDP, NCCL, links)")
+RankOpt = typer.Option(None, "--rank", help="trace this rank only (default: 0 and the last)")
+WrapOpt = typer.Option(None, "--wrap",
+                       help="FSDP units: module class names, comma-separated (default: "
+                            "every block of a list of repeated blocks)")
+NcclOpt = typer.Option(None, "--nccl-memory",
+                       help="NCCL's memory per communicator, e.g. 600MiB (default: modelled)")
 
 
 @contextlib.contextmanager
@@ -165,6 +178,28 @@ class LlmArgs:
 
 _ATTN = {"sdpa": "sdpa", "eager": "eager", "flash": "flash", "flash-attention-2": "flash",
          "flash_attention_2": "flash"}
+
+
+def _parallel(world_size: int | None, strategy: str | None, offload: str, tp: int,
+              nodes: int, rank: int | None, wrap: str | None,
+              nccl_memory: str | None) -> tuple[Any, Any]:
+    """The multi-GPU layout and NCCL model of the options, or (None, None)."""
+    if world_size is None:
+        given = [name for name, value in (("--strategy", strategy), ("--tp", tp != 1),
+                                          ("--nodes", nodes != 1), ("--rank", rank),
+                                          ("--wrap", wrap), ("--nccl-memory", nccl_memory),
+                                          ("--offload", offload != "none")) if value]
+        if given:
+            raise InvalidInputError(f"{given[0]} is a multi-GPU option: add --world-size N")
+        return None, None
+    from batchfit.sharding import NcclMemory, Parallelism
+
+    units = tuple(w.strip() for w in wrap.split(",") if w.strip()) if wrap else None
+    layout = Parallelism(world_size=world_size, strategy=strategy or "ddp", offload=offload,
+                         tp=tp, nodes=nodes, rank=rank, wrap=units)
+    nccl = NcclMemory(per_communicator_bytes=parse_size(nccl_memory, allow_zero=True)) \
+        if nccl_memory is not None else None
+    return layout, nccl
 
 
 def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str,
@@ -257,9 +292,13 @@ def estimate_cmd(
     lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
+    world_size: Optional[int] = WorldOpt, strategy: Optional[str] = StrategyOpt,
+    offload: str = OffloadOpt, tp: int = TpOpt, nodes: int = NodesOpt,
+    rank: Optional[int] = RankOpt, wrap: Optional[str] = WrapOpt,
+    nccl_memory: Optional[str] = NcclOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
-    """Predict the peak memory of one step at a batch size."""
+    """Predict the peak memory of one step at a batch size (per GPU with --world-size)."""
     with _errors(debug):
         if batch_size < 1:
             raise InvalidInputError(f"--batch-size must be a positive integer, not {batch_size}")
@@ -268,15 +307,23 @@ def estimate_cmd(
             raise InvalidInputError(
                 "estimate --memory goes with --gpu NAME, as that card's memory; an estimate "
                 "on --device uses the device as it is (max --memory sets a budget)")
+        parallel, nccl = _parallel(world_size, strategy, offload, tp, nodes, rank, wrap,
+                                   nccl_memory)
         profile, _ = _resolve_device(gpu, device, memory, overhead, need_budget=False)
         with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
             llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                           checkpointing, channels_last, model_kwargs, llm)
             _check_attn(llm, config, profile)
-            from batchfit.answers.estimate import estimate
+            if parallel is None:
+                from batchfit.answers.estimate import estimate
 
-            est = estimate(spec.factory, inputs, batch_size, config, device=profile)
+                est = estimate(spec.factory, inputs, batch_size, config, device=profile)
+            else:
+                from batchfit.answers.ranks import estimate_ranks
+
+                est = estimate_ranks(spec.factory, inputs, batch_size, config, device=profile,
+                                     parallel=parallel, nccl=nccl)
         if plot:
             from batchfit.cli.plot import plot_estimate
 
@@ -309,13 +356,23 @@ def max_cmd(
     lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
+    world_size: Optional[int] = WorldOpt, strategy: Optional[str] = StrategyOpt,
+    offload: str = OffloadOpt, tp: int = TpOpt, nodes: int = NodesOpt,
+    rank: Optional[int] = RankOpt, wrap: Optional[str] = WrapOpt,
+    nccl_memory: Optional[str] = NcclOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
     """The largest batch size that fits the GPU (or a memory budget).
 
-    With --batch-size, the longest sequence length that fits at that batch instead.
+    With --batch-size, the longest sequence length that fits at that batch instead. With
+    --world-size, the largest per-GPU (micro-)batch that fits every rank.
     """
     with _errors(debug):
+        parallel, nccl = _parallel(world_size, strategy, offload, tp, nodes, rank, wrap,
+                                   nccl_memory)
+        if parallel is not None and batch_size is not None:
+            raise InvalidInputError("--batch-size (longest --seq-len) is single-GPU only: "
+                                    "drop it, or drop --world-size")
         if not 0 <= margin < 1:
             raise InvalidInputError(f"--margin {margin} must be a fraction in [0, 1), e.g. 0.05")
         if max_limit < 1:
@@ -351,7 +408,8 @@ def max_cmd(
             result = max_batch_size(spec.factory, inputs, config, device=profile,
                                     memory_bytes=memory_bytes, margin=margin,
                                     max_batch_limit=max_limit, on_trace=on_trace,
-                                    fit_batches=(2, 3) if small else None)
+                                    fit_batches=(2, 3) if small else None,
+                                    parallel=parallel, nccl=nccl)
         if plot:
             from batchfit.cli.plot import plot_max_batch
 
@@ -697,6 +755,68 @@ def _serve_gpu(name: str) -> Any:
     from batchfit.device.profile import gpu_profile
 
     return gpu_profile(find_gpu(name))
+
+
+@app.command("plan")
+def plan_cmd(
+    model: str = ModelArg,
+    gpus: str = typer.Option(..., "--gpus", help='how many GPUs of which card, e.g. 8x"H100 SXM"'),
+    global_batch: int = typer.Option(..., "--global-batch", help="samples per optimizer step"),
+    nodes: int = NodesOpt,
+    strategies: Optional[str] = typer.Option(
+        None, "--strategies", help="comma-separated strategies to try (default: ddp, fsdp, "
+        "fsdp-grad-op, zero1, zero2, zero3, and hsdp on several nodes)"),
+    tp_degrees: Optional[str] = typer.Option(
+        None, "--tp", help="tensor-parallel degrees to try with FSDP, e.g. 2,4"),
+    checkpointing_policy: str = typer.Option(
+        "auto", "--checkpointing", help="off, on, or auto (only where nothing fits without)"),
+    offload_policy: str = typer.Option(
+        "auto", "--offload", help="none, or auto (only where nothing fits without)"),
+    network_gbs: Optional[float] = typer.Option(
+        None, "--network-gbs", help="network between nodes per GPU, GB/s each way (default 50)"),
+    input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
+    optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
+    model_kwargs: Optional[list[str]] = KwargsOpt,
+    as_json: bool = JsonOpt, debug: bool = DebugOpt,
+) -> None:
+    """Rank multi-GPU layouts of a global batch by predicted step time, with memory per GPU."""
+    with _errors(debug):
+        with _progress(not as_json, f"resolving {model}...") as status:
+            spec, inputs, config = _setup(model, input_shape, seq_len, "train", optimizer,
+                                          precision, False, False, model_kwargs)
+            from batchfit.speed.plan import plan
+
+            def on_layout(label: str) -> None:
+                if status is not None:
+                    status.update(f"{model}: {label}...")
+
+            result = plan(spec.factory, inputs, config, gpus=gpus, global_batch=global_batch,
+                          nodes=nodes,
+                          strategies=[s.strip() for s in strategies.split(",") if s.strip()]
+                          if strategies else None,
+                          tp_degrees=_int_list(tp_degrees, "--tp"),
+                          checkpointing=checkpointing_policy.strip().lower(),
+                          offload=offload_policy.strip().lower(),
+                          network_bytes_per_s=network_gbs * 1e9 if network_gbs else None,
+                          on_layout=on_layout)
+        if as_json:
+            _emit_json({"model": model, **result.to_dict()})
+            return
+        from batchfit.cli.report import render_plan
+
+        out.print(render_plan(result, model))
+
+
+def _int_list(text: str | None, option: str) -> list[int]:
+    if not text:
+        return []
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise InvalidInputError(f"bad {option} {text!r}: give positive integers, e.g. 2,4")
+    return values
 
 
 @app.command("gpus")

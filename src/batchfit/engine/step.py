@@ -239,6 +239,9 @@ class StepRunner:
         batch: ``(args, kwargs)`` for the forward call.
         autocast: a context-manager factory for the forward region, or None.
         foreach: the optimizer implementation (see :func:`build_optimizer`).
+        engine: a training engine that owns backward and the optimizer step, as
+            DeepSpeed's does (``engine.backward(loss)``; ``engine.step()``, which also
+            zeroes the gradients); None: ``loss.backward()`` and ``optimizer.step()``.
     """
 
     model: nn.Module
@@ -251,6 +254,7 @@ class StepRunner:
     generator: torch.Generator = field(default_factory=torch.Generator)
     optimizer: torch.optim.Optimizer | None = None
     scaler: _GradScalerSteps | None = None
+    engine: Any = None
 
     def __post_init__(self) -> None:
         if self.config.mode is Mode.TRAIN:
@@ -288,11 +292,15 @@ class StepRunner:
 
     def zero_grad(self) -> None:
         self.on_phase("zero_grad")
-        self.optimizer.zero_grad(set_to_none=self.config.grads_to_none)
+        if self.engine is None:  # an engine zeroes the gradients in its step
+            self.optimizer.zero_grad(set_to_none=self.config.grads_to_none)
 
     def forward_backward(self) -> None:
         loss = self.forward_loss()
         self.on_phase("backward")
+        if self.engine is not None:  # DeepSpeed scales by its own accumulation steps
+            self.engine.backward(loss)
+            return
         if self.config.grad_accum_steps > 1:
             loss = loss / self.config.grad_accum_steps  # as transformers' Trainer scales it
         if self.scaler is not None:
@@ -301,6 +309,9 @@ class StepRunner:
 
     def optimizer_step(self) -> None:
         self.on_phase("optimizer")
+        if self.engine is not None:
+            self.engine.step()
+            return
         if self.scaler is not None:
             self.scaler.unscale(self.optimizer)
         self.optimizer.step()

@@ -22,7 +22,7 @@ import itertools
 import sys
 from dataclasses import dataclass, replace
 from enum import IntEnum, StrEnum
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -46,6 +46,10 @@ class Category(StrEnum):
     TEMPORARIES = "temporaries"
     ALLOCATOR_SLACK = "allocator_slack"
     CONTEXT = "context_workspace"
+    # multi-GPU (batchfit.sharding)
+    GATHERED_PARAMETERS = "gathered_parameters"  # a sharded layer's parameters, all-gathered
+    COMMUNICATION = "communication_buffers"  # collective inputs/outputs, DDP's buckets
+    NCCL = "nccl"  # NCCL's own buffers, outside the caching allocator
 
 
 class Phase(StrEnum):
@@ -93,7 +97,10 @@ _UIDS = itertools.count()  # storage ids, unique across traces so traces can be 
 #: Decomposed ops of traces for a CUDA target run on meta twins, with recipes shared by
 #: every trace of the process (None: every op runs on the fake tensors).
 META_TWINS: ti.MetaTwins | None = ti.MetaTwins()
-_CUSTOM_NAMESPACES_OK = {"aten", "prims", "_c10d_functional", "c10d_functional"}
+_CUSTOM_NAMESPACES_OK = {"aten", "prims", "_c10d_functional", "c10d_functional", "c10d",
+                         "_c10d_functional_autograd", "_dtensor", "fsdp"}
+_WAIT_TENSOR = getattr(torch.ops._c10d_functional, "wait_tensor", None)
+_WAIT_TENSOR = getattr(_WAIT_TENSOR, "default", None)
 
 
 class Tracer:
@@ -108,12 +115,26 @@ class Tracer:
     as Adam's step counts are on a GPU). ``device``: the target profile, for ops traced
     as their kernel's sub-ops (:func:`batchfit.engine.kernels.decomposition_for`).
     Storages declared :meth:`host_backed` (paged optimizer state) are kept out of the
-    events; their bytes are in :attr:`host_backed_bytes`.
+    events; their bytes are in :attr:`host_backed_bytes`. ``fake_mode``: record only fake
+    tensors of this mode (DTensor's sharding propagation runs ops under a fake mode of its
+    own, which allocate nothing on the device).
+
+    Extension points (:mod:`batchfit.sharding` uses them): ``observers`` are called
+    with ``(func, args, output)`` for every op before it is recorded; ``category_rule``
+    names the category of an op's new storages (None: the phase's default); and
+    :meth:`on_resize` records a storage resized in place (:func:`ti.watching_resizes`).
     """
 
     def __init__(self, in_op_scratch: bool = False, cuda_target: bool = False,
-                 device_type: str | None = None, device: Any = None) -> None:
+                 device_type: str | None = None, device: Any = None,
+                 fake_mode: Any = None) -> None:
         self.events: list[Event] = []
+        self.fake_mode = fake_mode
+        self.observers: list[Any] = []
+        self.category_rule: Any = None
+        #: phases whose unknown ``.item()`` values are answered (see :meth:`_shortcut`)
+        self.item_phases: frozenset[Phase] = frozenset({Phase.OPTIMIZER})
+        self._muted = 0
         self.in_op_scratch = in_op_scratch  # kernels.py
         self.device_type = device_type
         self.device = device
@@ -157,21 +178,73 @@ class Tracer:
 
     def register(self, tensor: torch.Tensor, category: Category, module: str = "") -> None:
         """Record an existing storage (a parameter, an input) as allocated now."""
-        found = ti.storage_key(tensor)
-        if found is not None and found[0] not in self._live:
-            self._add(found[0], found[1], category, module, "")
+        for plain in ti.inner_tensors(tensor):
+            found = ti.storage_key(plain)
+            if found is not None and found[0] not in self._live:
+                self._add(found[0], found[1], category, module, "")
 
     def retag(self, tensor: torch.Tensor, category: Category) -> None:
-        found = ti.storage_key(tensor)
-        if found is None or found[0] in self._ignored or not self._on_device(tensor):
-            return
-        entry = self._live.get(found[0])
+        for plain in ti.inner_tensors(tensor):
+            found = ti.storage_key(plain)
+            if found is None or found[0] in self._ignored or not self._on_device(plain):
+                continue
+            entry = self._live.get(found[0])
+            if entry is None:
+                self._add(found[0], found[1], category, self.current_module(), "")
+            elif entry[1] is not category:
+                entry[1] = category
+                if entry[4] is not None:  # resized to 0: it changes category silently
+                    self.events.append(Event(EventKind.RETAG, entry[4], entry[0], category,
+                                             entry[2], "", self.phase))
+
+    def on_resize(self, storage: Any, nbytes: int) -> None:
+        """A storage resized in place: its old bytes are freed and its new ones allocated
+        (FSDP frees a gathered parameter with ``resize_(0)`` and gathers it again into the
+        same storage). The category is the rule's for the op running now, else the
+        storage's own."""
+        key = storage._cdata
+        entry = self._live.get(key)
         if entry is None:
-            self._add(found[0], found[1], category, self.current_module(), "")
-        elif entry[1] is not category:
-            entry[1] = category
-            self.events.append(Event(EventKind.RETAG, entry[4], entry[0], category,
-                                     entry[2], "", self.phase))
+            if nbytes > 0 and self._recording:
+                self._add(key, storage, self._rule_category(None) or Category.TEMPORARIES,
+                          self.current_module(), "resize_", nbytes)
+            return
+        if entry[0] == nbytes:
+            return
+        if entry[4] is not None:
+            self.events.append(Event(EventKind.FREE, entry[4], entry[0], entry[1], entry[2],
+                                     "", self.phase))
+        entry[0], entry[4] = nbytes, next(_UIDS) if nbytes > 0 else None
+        if nbytes > 0:
+            entry[1] = self._rule_category(None) or entry[1]
+            entry[2] = self.current_module()
+            self.events.append(Event(EventKind.ALLOC, entry[4], nbytes, entry[1], entry[2],
+                                     "resize_", self.phase))
+
+    def uids(self, tensor: torch.Tensor) -> list[int]:
+        """The event ids of the live allocations holding ``tensor`` (its inner tensors')."""
+        found = []
+        for plain in ti.inner_tensors(tensor):
+            key = ti.storage_key(plain)
+            entry = self._live.get(key[0]) if key is not None else None
+            if entry is not None and entry[4] is not None:
+                found.append(entry[4])
+        return found
+
+    def transient(self, nbytes: int, category: Category, op: str) -> int:
+        """Record an allocation no tensor stands for (a copy the traced code skips on this
+        device); :meth:`release` frees it. Returns its id."""
+        uid = next(_UIDS)
+        self.events.append(Event(EventKind.ALLOC, uid, nbytes, category,
+                                 self.current_module(), op, self.phase))
+        return uid
+
+    def release(self, uid: int, nbytes: int, category: Category) -> None:
+        self.events.append(Event(EventKind.FREE, uid, nbytes, category, self.current_module(),
+                                 "", self.phase))
+
+    def _rule_category(self, func: Any) -> Category | None:
+        return self.category_rule(func) if self.category_rule is not None else None
 
     def host_backed(self, tensor: torch.Tensor) -> None:
         """``tensor``'s storage is host memory the device maps (CUDA unified memory): drop
@@ -217,15 +290,29 @@ class Tracer:
 
         def on_free() -> None:
             entry = self._live.pop(key, None)
-            if entry is not None and self._recording:
-                self.events.append(Event(EventKind.FREE, uid, entry[0], entry[1], entry[2],
-                                         "", self.phase))
+            if entry is not None and self._recording and entry[4] is not None:
+                self.events.append(Event(EventKind.FREE, entry[4], entry[0], entry[1],
+                                         entry[2], "", self.phase))
 
         ref = ti.watch_storage(storage, on_free)
         self._live[key] = [nbytes, category, module, ref, uid]
         self.events.append(Event(EventKind.ALLOC, uid, nbytes, category, module, op, self.phase))
 
+    @contextlib.contextmanager
+    def muted(self) -> Any:
+        """Ops in the block allocate nothing on the device (DTensor runs ops on fake
+        tensors of the active fake mode to learn output shapes): none is recorded."""
+        self._muted += 1
+        try:
+            yield
+        finally:
+            self._muted -= 1
+
     def _on_output(self, func: Any, args: tuple, out: Any) -> None:
+        if self._muted:
+            return
+        for observe in self.observers:
+            observe(func, args, out)
         module = None
         op = None
         fix = size_fix_for(func)
@@ -234,6 +321,9 @@ class Tracer:
             found = ti.storage_key(tensor)
             if (found is None or found[0] in self._live or found[0] in self._ignored
                     or not self._on_device(tensor)):
+                continue
+            if self.fake_mode is not None and getattr(tensor, "fake_mode", self.fake_mode) \
+                    is not self.fake_mode:
                 continue
             if op is None:
                 op = str(func)
@@ -256,6 +346,8 @@ class Tracer:
                                          str(func), self.phase))
 
     def _category_for(self, func: Any, args: tuple) -> Category:
+        if self.category_rule is not None and (ruled := self.category_rule(func)) is not None:
+            return ruled
         if self.phase is Phase.BACKWARD:
             # module forwards inside backward are activation-checkpoint recomputation
             return Category.ACTIVATIONS if self._module_stack else Category.TEMPORARIES
@@ -274,20 +366,30 @@ class Tracer:
           Values the fake tensor knows (constants: step counts, the grad scaler's
           ``found_inf``) are returned as they are; a meta tensor (the optimizer phase
           runs on meta twins, :func:`_trace_optimizer_on_meta`) has no value and gets 1
-          at once. Elsewhere it stays an error (a data-dependent shape in forward
-          changes the memory), except inside code declared to read values only as
-          scalars (:func:`batchfit.engine.kernels.scalar_reads`: Liger's chunked loss
-          counts the tokens it averages over, and compares the upstream gradient with 1),
-          where ``.item()`` gets 1 and ``torch.equal`` True.
+          at once; a boolean or a byte gets False or 0 (a check a real step passes:
+          DeepSpeed's "is the gradient norm finite?" and its overflow byte decide
+          whether the step runs at all).
+          Elsewhere it stays an error (a data-dependent shape in forward changes the
+          memory), except inside code declared to read values only as scalars
+          (:func:`batchfit.engine.kernels.scalar_reads`: Liger's chunked loss counts the
+          tokens it averages over, and compares the upstream gradient with 1), where
+          ``.item()`` gets 1 and ``torch.equal`` True. A transform may add phases
+          (:attr:`item_phases`: DeepSpeed's offload checks gradients for overflow in
+          backward);
+        * ``wait_tensor`` of a functional collective (DTensor's): eager returns its
+          input, where the fake kernel would make a new tensor (as torch's MemTracker
+          notes).
         """
         if ti.skippable_in_fake_trace(func, args):
             return None
+        if func is _WAIT_TENSOR and func is not None:
+            return args[0]
         if scalar_reads_allowed() and (func is _LOCAL_SCALAR or func is _EQUAL):
             if func is _EQUAL:
                 return True
             dtype = args[0].dtype
             return 1.0 if dtype.is_floating_point else (True if dtype is torch.bool else 1)
-        if func is _LOCAL_SCALAR and self.phase is Phase.OPTIMIZER:
+        if func is _LOCAL_SCALAR and self.phase in self.item_phases:
             if not args[0].is_meta:
                 try:
                     return func(*args)
@@ -296,7 +398,9 @@ class Tracer:
             dtype = args[0].dtype
             if dtype.is_floating_point or dtype.is_complex:
                 return 1.0
-            return True if dtype is torch.bool else 1
+            if dtype is torch.bool:
+                return False
+            return 0 if dtype is torch.uint8 else 1  # a byte is a flag (DeepSpeed's overflow)
         return ti.RUN
 
     def _on_error(self, func: Any, exc: BaseException) -> None:
@@ -408,6 +512,42 @@ def _translate_error(exc: BaseException, tracer: Tracer, model: nn.Module, phase
         module, op)
 
 
+class StepTransform(Protocol):
+    """Another way to build and run the traced step: one rank of a sharded step.
+
+    :mod:`batchfit.sharding` implements it (DDP, FSDP, DeepSpeed ZeRO, tensor parallel):
+    :func:`trace_step` enters :meth:`session` around the whole trace, builds the module
+    with :meth:`build` while the tracer records (so memory created or freed while
+    wrapping is seen), calls :meth:`attach` once the step's runner exists and, with
+    :attr:`whole_steps`, :meth:`before_step` before each of the two traced steps.
+    """
+
+    def session(self) -> contextlib.AbstractContextManager[Any]:
+        """The process-wide state the trace needs (a fake process group), undone after."""
+
+    def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
+              float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
+        """The module the step runs, with fake tensors, from a model built on meta (or the
+        user's module, which must not be changed: copy it)."""
+
+    def watched(self, module: nn.Module) -> nn.Module:
+        """The module whose submodules name memory (DDP's wrapped module)."""
+
+    def attach(self, runner: Any, tracer: Tracer) -> None:
+        """Set up what the step needs once its runner (and optimizer) exist."""
+
+    def before_step(self, index: int) -> None:
+        """Called before traced training step ``index`` (0: the first, 1: the steady)."""
+
+    def finish(self, trace: StepTrace) -> StepTrace:
+        """The trace as the device sees it (an offload takes host memory off it)."""
+
+    #: True: trace two whole training steps (DDP rebuilds its buckets in the second;
+    #: DeepSpeed's engine runs its own optimizer). False: one forward and backward, and
+    #: the optimizer on meta twins of the (local, sharded) parameters, as for one GPU.
+    whole_steps: bool
+
+
 class TraceReuse:
     """What repeated traces of one model and config (at other batch sizes) can share.
 
@@ -495,7 +635,8 @@ def _workload_checkpointing(config: Any) -> bool:
 
 @old_objects_frozen()
 def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: Any,
-               reuse: TraceReuse | None = None) -> StepTrace:
+               reuse: TraceReuse | None = None,
+               transform: StepTransform | None = None) -> StepTrace:
     """Trace one step of ``model`` at ``batch_size`` on fake tensors.
 
     Args:
@@ -505,6 +646,9 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         config: a :class:`batchfit.engine.spec.TrainConfig`.
         device: a :class:`batchfit.device.profile.DeviceProfile`.
         reuse: share work between traces of the same model at other batch sizes.
+        transform: builds and runs the step another way (one rank of a sharded step,
+            :mod:`batchfit.sharding`); with its ``whole_steps`` two whole training steps
+            are traced, the second being the steady one.
     """
     from batchfit.engine.fake import enable_checkpointing, fake_copy
     from batchfit.engine.spec import Mode
@@ -540,9 +684,27 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         raise InvalidInputError(
             "--loss chunked is Liger-Kernel's fused cross-entropy, whose Triton kernels run "
             "on GPUs only: use a GPU target (--gpu NAME) or --loss standard")
-    with ti.preserved_global_state():
+    if workload is not None and transform is not None:
+        raise InvalidInputError(
+            "LLM workloads (--lora, --quant, --loss chunked) are not traced under a sharding "
+            "strategy yet: drop --strategy/--world-size, or the workload options")
+    session = transform.session() if transform is not None else contextlib.nullcontext()
+    with ti.preserved_global_state(), session:
+        scratch = not device.is_cuda and getattr(device, "kernel_scratch", True)
+        tracer = Tracer(in_op_scratch=scratch, cuda_target=device.is_cuda, device=device,
+                        fake_mode=fake_mode)
         quant_state: list[torch.Tensor] = []
-        if workload is None:
+        if transform is not None:
+            source = base
+            try:
+                with fake_mode, tracer:
+                    twin = transform.build(source, fake_mode, tracer, float_dtype,
+                                           config.checkpointing and training)
+            except BatchfitError:
+                raise
+            except Exception as exc:
+                raise _translate_error(exc, tracer, source, Phase.SETUP) from exc
+        elif workload is None:
             twin = fake_copy(base, fake_mode, float_dtype=float_dtype,
                              channels_last=config.channels_last, owned=owned)
         else:
@@ -551,18 +713,18 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             source, attributes = _workload_model(model, config, reuse)
             twin = fake_copy(source, fake_mode, channels_last=config.channels_last)
             quant_state = install_fake_quant_state(twin, attributes, fake_mode, device.is_cuda)
-        if config.checkpointing and training and not (
+        if transform is None and config.checkpointing and training and not (
                 workload is not None and _workload_checkpointing(config)):
             enable_checkpointing(twin, config.use_reentrant)
-        tracer = Tracer(in_op_scratch=not device.is_cuda, cuda_target=device.is_cuda,
-                        device=device)
         params = list(twin.parameters())
+        # storages made while building (a transform's) are retagged, others registered
+        record = tracer.register if transform is None else tracer.retag
         for p in params:
-            tracer.register(p, Category.PARAMETERS)
+            record(p, Category.PARAMETERS)
         for t in quant_state:  # absmax blocks, code books: part of the stored weights
             tracer.register(t, Category.PARAMETERS)
         for b in twin.buffers():
-            tracer.register(b, Category.BUFFERS)
+            record(b, Category.BUFFERS)
         generator = torch.Generator().manual_seed(0)
         with fake_mode:
             batch = make_batch(spec, batch_size, float_dtype, generator, config.channels_last)
@@ -591,13 +753,23 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         _register_scaler(tracer, runner)
         grad_hooks = [p.register_post_accumulate_grad_hook(
             lambda q: tracer.retag(q.grad, Category.GRADIENTS)) for p in params if p.requires_grad]
-        tracer.watch_module(twin)
+        tracer.watch_module(transform.watched(twin) if transform is not None else twin)
         setup_end = len(tracer.events)
         marks: list[int] = []
         emulation_ctx = emulation if emulation is not None else contextlib.nullcontext()
         try:
             with fake_mode, emulation_ctx, tracer, _library_context(config, device):
-                if training and not config.grads_to_none:
+                if transform is not None:
+                    transform.attach(runner, tracer)
+                whole_steps = training and (not config.grads_to_none or (
+                    transform is not None and transform.whole_steps))
+                if transform is not None and whole_steps:
+                    for index in range(2):  # the first creates state, the second is steady
+                        transform.before_step(index)
+                        runner.train_step()
+                        _retag_optimizer_state(runner, tracer)
+                        marks.append(len(tracer.events))
+                elif training and not config.grads_to_none:
                     # gradients survive into the next step: trace two whole steps
                     runner.forward_backward()
                     runner.optimizer_step()
@@ -613,7 +785,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                     runner.infer_step()
                 end = len(tracer.events)
             optimizer_events = None
-            if training and config.grads_to_none and (reuse is None or reuse.optimizer_first is None):
+            if training and not whole_steps and (reuse is None or reuse.optimizer_first is None):
                 optimizer_events = _trace_optimizer_on_meta(params, config, device, emulation,
                                                             tracer)
                 if optimizer_events is None:  # it cannot run on meta tensors: on the fake twin
@@ -631,7 +803,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
     if reuse is not None and tracer.host_backed_bytes:
         reuse.host_backed_bytes = tracer.host_backed_bytes
     host_backed = tracer.host_backed_bytes or (reuse.host_backed_bytes if reuse else 0)
-    if training and not config.grads_to_none:
+    if training and whole_steps:
         first = tuple(events[:marks[0]])
         steady = _as_setup(alive_at_end(first)) + tuple(events[marks[0]:end])
     elif training:
@@ -652,7 +824,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                   + tuple(events[setup_end:fwd_bwd_end]) + opt_steady)
     else:
         first = steady = tuple(events[:end])
-    return StepTrace(
+    traced = StepTrace(
         steady_events=steady, first_events=first, batch_size=batch_size,
         custom_ops=dict(tracer.custom_ops),
         parameter_count=sum(p.numel() for p in params),
@@ -660,6 +832,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         largest_tensor=tracer.largest,
         largest_grid=emulation.largest_grid if emulation is not None else (0, "", ""),
         host_backed_bytes=host_backed)
+    return transform.finish(traced) if transform is not None else traced
 
 
 def _library_context(config: Any, device: Any) -> Any:
@@ -801,12 +974,21 @@ def _trace_keras_step(base: Any, is_users: bool, inputs: Any, batch_size: int, c
 def _trace_optimizer(runner: Any, tracer: Tracer, marks: list[int]) -> None:
     """The first optimizer step (creates the state), then a steady one."""
     runner.optimizer_step()
-    for state in runner.optimizer.state.values():
+    _retag_optimizer_state(runner, tracer)
+    marks.append(len(tracer.events))
+    runner.optimizer_step()
+
+
+def _retag_optimizer_state(runner: Any, tracer: Tracer) -> None:
+    """The optimizer's state, made by its first step, is optimizer state from then on."""
+    optimizer = runner.optimizer
+    states = getattr(optimizer, "state", None)
+    if not isinstance(states, dict):
+        return
+    for state in states.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 tracer.retag(value, Category.OPTIMIZER_STATE)
-    marks.append(len(tracer.events))
-    runner.optimizer_step()
 
 
 def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: Any,
@@ -838,11 +1020,16 @@ def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: An
     if any(p.grad is not None and p.grad.layout is not torch.strided for p in trained):
         return None
     twins = []
-    for p in trained:
+    for param in trained:
+        # a DTensor (sharded) parameter's optimizer runs on its local shard
+        p = ti.local_tensor(param)
+        grad = param.grad
         twin = nn.Parameter(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype,
                                                 device="meta"))
-        if p.grad is not None:
-            g = p.grad
+        if grad is not None:
+            g = ti.local_tensor(grad)
+            if g.shape != p.shape:  # a DTensor gradient placed unlike its parameter (tensor
+                return None  # parallel): the optimizer redistributes it, on the fake twin
             twin.grad = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device="meta")
         twins.append(twin)
     # On a GPU, what an optimizer makes without a device (Adam's, Adagrad's, RMSprop's and
