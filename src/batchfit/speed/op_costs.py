@@ -332,9 +332,9 @@ def _keras_op_costs(base: Any, is_users: bool, inputs: Any, batch_size: int, con
     from batchfit.engine import _torch_internals as ti
     from batchfit.engine import keras_step
     from batchfit.engine.spec import Mode
-    from batchfit.engine.trace import _prepared_keras
+    from batchfit.engine.keras_trace import prepared_keras
 
-    meta, spec, targets = _prepared_keras(base, is_users, inputs, config, None)
+    meta, spec, targets = prepared_keras(base, is_users, inputs, config, None)
     fake_mode = ti.new_fake_mode()
     emulation: Any = contextlib.nullcontext()
     if profile.is_cuda:
