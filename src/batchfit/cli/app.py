@@ -45,6 +45,13 @@ OptimOpt = typer.Option("adamw", "--optimizer",
 PrecOpt = typer.Option("fp32", "--precision", help="fp32, tf32, amp-fp16, amp-bf16, bf16, fp16")
 CkptOpt = typer.Option(False, "--checkpointing", help="activation checkpointing")
 ClOpt = typer.Option(False, "--channels-last", help="channels-last memory format")
+StackOpt = typer.Option(None, "--stack",
+                        help="torch and CUDA versions the step runs on, e.g. torch2.4+cu124 "
+                             "(default: the installed torch)")
+TorchVerOpt = typer.Option(None, "--torch-version", help="torch version, e.g. 1.12 or 2.4")
+CudaVerOpt = typer.Option(None, "--cuda-version", help="CUDA version of that torch, e.g. 11.3")
+CudnnBenchOpt = typer.Option(False, "--cudnn-benchmark",
+                             help="the script sets torch.backends.cudnn.benchmark = True")
 OverheadOpt = typer.Option(
     None, "--overhead",
     help="memory outside the tensors, e.g. 600MiB: the CUDA context (GPU), or the CPU runtime's "
@@ -122,9 +129,21 @@ def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
     return profile, memory_bytes
 
 
+def _stack_settings(stack: str | None, torch_version: str | None, cuda_version: str | None,
+                    cudnn_benchmark: bool) -> dict[str, Any]:
+    """TrainConfig fields for the stack options (checked now: a bad version is one line)."""
+    settings: dict[str, Any] = {"cudnn_benchmark": cudnn_benchmark}
+    if stack is not None or torch_version is not None or cuda_version is not None:
+        from batchfit.engine.stack import Stack
+
+        settings["stack"] = Stack.parse(stack=stack, torch_version=torch_version,
+                                        cuda_version=cuda_version)
+    return settings
+
+
 def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str, optimizer: str,
            precision: str, checkpointing: bool, channels_last: bool,
-           model_kwargs: list[str] | None) -> tuple[Any, Any, Any]:
+           model_kwargs: list[str] | None, **settings: Any) -> tuple[Any, Any, Any]:
     from batchfit.engine.spec import TrainConfig
     from batchfit.models.resolve import parse_model_kwargs, resolve_model
 
@@ -132,7 +151,7 @@ def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str, 
         mode=parse_enum(Mode, mode, "mode"),
         optimizer=parse_enum(OptimizerName, optimizer, "optimizer"),
         precision=parse_enum(Precision, precision, "precision"),
-        checkpointing=checkpointing, channels_last=channels_last)
+        checkpointing=checkpointing, channels_last=channels_last, **settings)
     if seq_len is not None and seq_len < 1:
         raise InvalidInputError(f"--seq-len must be a positive integer, not {seq_len}")
     shape = parse_shape(input_shape) if input_shape is not None else None
@@ -170,6 +189,8 @@ def estimate_cmd(
     mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
     checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
+    stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
+    cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
     """Predict the peak memory of one step at a batch size."""
@@ -177,10 +198,11 @@ def estimate_cmd(
         if batch_size < 1:
             raise InvalidInputError(f"--batch-size must be a positive integer, not {batch_size}")
         _check_plot(plot)
+        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark)
         profile, _ = _resolve_device(gpu, device, None, overhead, need_budget=False)
         with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
-                                          checkpointing, channels_last, model_kwargs)
+                                          checkpointing, channels_last, model_kwargs, **settings)
             from batchfit.answers.estimate import estimate
 
             est = estimate(spec.factory, inputs, batch_size, config, device=profile)
@@ -212,6 +234,8 @@ def max_cmd(
     batch_size: Optional[int] = typer.Option(
         None, "--batch-size", "-b",
         help="token models: fix the batch and find the longest --seq-len that fits"),
+    stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
+    cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
     """The largest batch size that fits the GPU (or a memory budget).
@@ -224,12 +248,13 @@ def max_cmd(
         if max_limit < 1:
             raise InvalidInputError("--max-batch-limit must be positive")
         _check_plot(plot)
+        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark)
         profile, memory_bytes = _resolve_device(gpu, device, memory, overhead, need_budget=True)
         if not profile.is_cuda and memory_bytes is None:
             raise InvalidInputError("--device cpu needs --memory SIZE as the budget")
         with _progress(not as_json, f"resolving {model}...") as status:
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
-                                          checkpointing, channels_last, model_kwargs)
+                                          checkpointing, channels_last, model_kwargs, **settings)
             if not profile.is_cuda and overhead is None:
                 if status is not None:
                     status.update(f"measuring the CPU runtime's overhead: one real step of {model}...")

@@ -213,6 +213,10 @@ class CudaEmulation:
         autocast_dtype: ``torch.float16`` or ``torch.bfloat16`` for mixed precision;
             None for none (then :meth:`autocast_region` does nothing).
         sdpa: substitute the target's attention kernel.
+        fused_attention: the target's torch has fused attention kernels (torch >= 2.0,
+            :attr:`batchfit.engine.stack.Stack.has_sdpa`); False runs every
+            ``scaled_dot_product_attention`` as CUDA's math path, the explicit attention
+            of older code.
         cudnn_version: runtime cuDNN version on the target (e.g. 92400); None means the
             one this torch was built with.
 
@@ -238,6 +242,7 @@ class CudaEmulation:
 
     def __init__(self, compute_capability: tuple[int, int],
                  autocast_dtype: torch.dtype | None = None, sdpa: bool = True,
+                 fused_attention: bool = True,
                  cudnn_version: int | None = None):
         if (not isinstance(compute_capability, tuple) or len(compute_capability) != 2
                 or not all(isinstance(v, int) and v >= 0 for v in compute_capability)):
@@ -249,6 +254,7 @@ class CudaEmulation:
         self.compute_capability = compute_capability
         self.autocast_dtype = autocast_dtype
         self.sdpa = sdpa
+        self.fused_attention = fused_attention
         if cudnn_version is None:
             cudnn_version = torch.backends.cudnn.version() or 0
         self.cudnn_version = cudnn_version
@@ -412,6 +418,8 @@ class CudaEmulation:
                                            call["is_causal"], call["enable_gqa"])
         backend = choose_sdpa_backend(self.compute_capability, problem,
                                       cudnn_version=self.cudnn_version)
+        if not self.fused_attention:  # a stack before torch 2.0: attention is explicit
+            backend = SdpaBackend.MATH
         if backend is not SdpaBackend.MATH and problem.mask_requires_grad:
             self._note("scaled_dot_product_attention with a trainable attn_mask: "
                        "emulated with the math backend")

@@ -30,6 +30,8 @@ from torch import nn
 from batchfit._gc import old_objects_frozen
 from batchfit.engine import _torch_internals as ti
 from batchfit.engine.kernels import scratch_for, size_fix_for
+from batchfit.engine.limits import RULES as LIMIT_RULES
+from batchfit.engine.limits import KernelLimit, attention_grid, check_op, worst
 
 
 class Category(StrEnum):
@@ -107,7 +109,7 @@ class Tracer:
     """
 
     def __init__(self, in_op_scratch: bool = False, cuda_target: bool = False,
-                 device_type: str | None = None) -> None:
+                 device_type: str | None = None, stack: Any = None) -> None:
         self.events: list[Event] = []
         self.in_op_scratch = in_op_scratch  # kernels.py
         self.device_type = device_type
@@ -121,6 +123,9 @@ class Tracer:
         self.failed_module: str | None = None
         self.custom_ops: dict[str, str] = {}  # op -> module where first seen
         self.largest: tuple[int, str, str] = (0, "", "")  # (numel, op, module) of the largest output
+        #: the launch nearest its kernel's hard limit (CUDA targets: a stack is given)
+        self.kernel_limit: KernelLimit | None = None
+        self._stack = stack if cuda_target else None
         self._interceptor = ti.OpInterceptor(self._on_output, self._on_error,
                                              shortcut=self._shortcut,
                                              run=META_TWINS if cuda_target else None)
@@ -209,6 +214,11 @@ class Tracer:
             numel = tensor.numel()
             if numel > self.largest[0]:
                 self.largest = (numel, op, module)
+        if self._stack is not None and (name := str(func)) in LIMIT_RULES:
+            outputs = [t for t in ti.iter_tensors(out) if isinstance(t, torch.Tensor)]
+            self.kernel_limit = worst(self.kernel_limit, check_op(
+                name, args, outputs, self._stack, module if module is not None
+                else self.current_module()))
         scratch = scratch_for(func) if self.in_op_scratch else None
         if scratch is not None and (nbytes := scratch(args)) > 0:
             uid = next(_UIDS)
@@ -303,6 +313,8 @@ class StepTrace:
     trainable_parameter_count: int
     largest_tensor: tuple[int, str, str] = (0, "", "")  # (elements, op, module)
     largest_grid: tuple[int, str, str] = (0, "", "")  # (grid y/z extent, kernel, module)
+    #: the launch nearest its kernel's hard limit (:mod:`batchfit.engine.limits`)
+    kernel_limit: KernelLimit | None = None
 
 
 def _expected_input(model: nn.Module) -> tuple[str, tuple[int, ...] | None]:
@@ -419,13 +431,16 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
     precision = config.precision
     float_dtype = None if precision.weight_dtype == "float32" else torch_dtype(precision.weight_dtype)
     training = config.mode is Mode.TRAIN
+    stack = config.resolved_stack
+    grads_to_none = config.zero_grad_to_none
     fake_mode = ti.new_fake_mode()
     with ti.preserved_global_state():
         twin = fake_copy(_meta_model(model, reuse), fake_mode, float_dtype=float_dtype,
                          channels_last=config.channels_last)
         if config.checkpointing and training:
             enable_checkpointing(twin)
-        tracer = Tracer(in_op_scratch=not device.is_cuda, cuda_target=device.is_cuda)
+        tracer = Tracer(in_op_scratch=not device.is_cuda, cuda_target=device.is_cuda,
+                        stack=stack)
         params = list(twin.parameters())
         for p in params:
             tracer.register(p, Category.PARAMETERS)
@@ -442,7 +457,9 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
 
             amp = precision.autocast_dtype
             emulation = CudaEmulation(device.compute_capability,
-                                      autocast_dtype=torch_dtype(amp) if amp else None)
+                                      autocast_dtype=torch_dtype(amp) if amp else None,
+                                      cudnn_version=stack.cudnn_version,
+                                      fused_attention=stack.has_sdpa)
             autocast = emulation.autocast_region if amp else None
             emulation.where = tracer.current_module
         elif precision.autocast_dtype:
@@ -452,7 +469,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             autocast = None
         with fake_mode:
             runner = StepRunner(twin, config, batch, autocast=autocast,
-                                foreach=True if device.is_cuda else False,
+                                foreach=stack.foreach_default if device.is_cuda else False,
                                 on_phase=lambda name: setattr(tracer, "phase", Phase(name)),
                                 generator=generator)
         _register_scaler(tracer, runner)
@@ -464,10 +481,11 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         emulation_ctx = emulation if emulation is not None else contextlib.nullcontext()
         try:
             with fake_mode, emulation_ctx, tracer:
-                if training and not config.grads_to_none:
+                if training and not grads_to_none:
                     # gradients survive into the next step: trace two whole steps
                     runner.forward_backward()
                     runner.optimizer_step()
+                    _retag_optimizer_state(runner, tracer)
                     marks.append(len(tracer.events))
                     runner.train_step()
                 elif training:
@@ -477,7 +495,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                     runner.infer_step()
                 end = len(tracer.events)
             optimizer_events = None
-            if training and config.grads_to_none and (reuse is None or reuse.optimizer_first is None):
+            if training and grads_to_none and (reuse is None or reuse.optimizer_first is None):
                 optimizer_events = _trace_optimizer_on_meta(params, config, device, emulation,
                                                             tracer)
                 if optimizer_events is None:  # it cannot run on meta tensors: on the fake twin
@@ -492,7 +510,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             for hook in grad_hooks:
                 hook.remove()
     events = tracer.events
-    if training and not config.grads_to_none:
+    if training and not grads_to_none:
         first = tuple(events[:marks[0]])
         steady = _as_setup(alive_at_end(first)) + tuple(events[marks[0]:end])
     elif training:
@@ -519,7 +537,18 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         parameter_count=sum(p.numel() for p in params),
         trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad),
         largest_tensor=tracer.largest,
-        largest_grid=emulation.largest_grid if emulation is not None else (0, "", ""))
+        largest_grid=emulation.largest_grid if emulation is not None else (0, "", ""),
+        kernel_limit=_kernel_limit(tracer, emulation))
+
+
+def _kernel_limit(tracer: Tracer, emulation: Any) -> KernelLimit | None:
+    """The launch nearest its limit: a traced op's, or a fused attention grid's."""
+    found = tracer.kernel_limit
+    if emulation is not None and emulation.largest_grid[0]:
+        extent, kernel, module = emulation.largest_grid
+        backend = kernel.partition("(")[2].rstrip(")") or kernel
+        found = worst(found, attention_grid(extent, backend, module))
+    return found
 
 
 def _register_scaler(tracer: Tracer, runner: Any) -> None:
@@ -532,12 +561,17 @@ def _register_scaler(tracer: Tracer, runner: Any) -> None:
 def _trace_optimizer(runner: Any, tracer: Tracer, marks: list[int]) -> None:
     """The first optimizer step (creates the state), then a steady one."""
     runner.optimizer_step()
+    _retag_optimizer_state(runner, tracer)
+    marks.append(len(tracer.events))
+    runner.optimizer_step()
+
+
+def _retag_optimizer_state(runner: Any, tracer: Tracer) -> None:
+    """The state the first optimizer step created is optimizer state, not temporaries."""
     for state in runner.optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 tracer.retag(value, Category.OPTIMIZER_STATE)
-    marks.append(len(tracer.events))
-    runner.optimizer_step()
 
 
 def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: Any,
@@ -583,7 +617,7 @@ def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: An
                          device_type="meta" if device.is_cuda else None)
     try:
         runner = StepRunner(nn.ParameterList(twins), config, ((), {}),
-                            foreach=bool(device.is_cuda),
+                            foreach=bool(device.is_cuda) and config.resolved_stack.foreach_default,
                             on_phase=lambda name: setattr(meta_tracer, "phase", Phase(name)))
     except Exception:  # noqa: BLE001 - the fake twin's trace reports it
         return None
