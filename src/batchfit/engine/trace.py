@@ -29,6 +29,7 @@ from torch import nn
 
 from batchfit._gc import old_objects_frozen
 from batchfit.engine import _torch_internals as ti
+from batchfit.engine.cudnn import benchmark_workspace_bytes, is_routed_to_cudnn
 from batchfit.engine.kernels import scratch_for, size_fix_for
 from batchfit.engine.limits import RULES as LIMIT_RULES
 from batchfit.engine.limits import KernelLimit, attention_grid, check_op, worst
@@ -109,7 +110,8 @@ class Tracer:
     """
 
     def __init__(self, in_op_scratch: bool = False, cuda_target: bool = False,
-                 device_type: str | None = None, stack: Any = None) -> None:
+                 device_type: str | None = None, stack: Any = None,
+                 cudnn_benchmark: tuple[int, int] | None = None) -> None:
         self.events: list[Event] = []
         self.in_op_scratch = in_op_scratch  # kernels.py
         self.device_type = device_type
@@ -126,6 +128,8 @@ class Tracer:
         #: the launch nearest its kernel's hard limit (CUDA targets: a stack is given)
         self.kernel_limit: KernelLimit | None = None
         self._stack = stack if cuda_target else None
+        #: the target's compute capability when convolutions run cuDNN's benchmark mode
+        self._cudnn_benchmark = cudnn_benchmark if cuda_target else None
         self._interceptor = ti.OpInterceptor(self._on_output, self._on_error,
                                              shortcut=self._shortcut,
                                              run=META_TWINS if cuda_target else None)
@@ -216,9 +220,11 @@ class Tracer:
                 self.largest = (numel, op, module)
         if self._stack is not None and (name := str(func)) in LIMIT_RULES:
             outputs = [t for t in ti.iter_tensors(out) if isinstance(t, torch.Tensor)]
+            where = module if module is not None else self.current_module()
             self.kernel_limit = worst(self.kernel_limit, check_op(
-                name, args, outputs, self._stack, module if module is not None
-                else self.current_module()))
+                name, args, outputs, self._stack, where))
+            if self._cudnn_benchmark is not None:
+                self._add_cudnn_workspace(name, args, outputs, where)
         scratch = scratch_for(func) if self.in_op_scratch else None
         if scratch is not None and (nbytes := scratch(args)) > 0:
             uid = next(_UIDS)
@@ -226,6 +232,17 @@ class Tracer:
             for kind in (EventKind.ALLOC, EventKind.FREE):
                 self.events.append(Event(kind, uid, nbytes, Category.TEMPORARIES, where or "",
                                          str(func), self.phase))
+
+    def _add_cudnn_workspace(self, name: str, args: tuple, outputs: list[torch.Tensor],
+                             where: str) -> None:
+        """A benchmarked cuDNN convolution's workspace: allocated and freed in the call."""
+        routed = is_routed_to_cudnn(name, args, self._stack)
+        nbytes = benchmark_workspace_bytes(name, args, outputs, self._cudnn_benchmark, routed)
+        if nbytes > 0:
+            uid = next(_UIDS)
+            for kind in (EventKind.ALLOC, EventKind.FREE):
+                self.events.append(Event(kind, uid, nbytes, Category.TEMPORARIES, where,
+                                         f"cudnn workspace ({name})", self.phase))
 
     def _category_for(self, func: Any, args: tuple) -> Category:
         if self.phase is Phase.BACKWARD:
@@ -440,7 +457,8 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         if config.checkpointing and training:
             enable_checkpointing(twin)
         tracer = Tracer(in_op_scratch=not device.is_cuda, cuda_target=device.is_cuda,
-                        stack=stack)
+                        stack=stack, cudnn_benchmark=device.compute_capability
+                        if config.cudnn_benchmark else None)
         params = list(twin.parameters())
         for p in params:
             tracer.register(p, Category.PARAMETERS)
