@@ -37,6 +37,8 @@ def test_no_workspace_where_nothing_is_transposed():
     x, w, y = meta(32, 64, 56, 56), meta(128, 64, 3, 3), meta(32, 128, 56, 56)
     cl = meta(32, 64, 56, 56, channels_last=True)
     assert benchmark_workspace_bytes(CONV, fwd_args(cl, w), [y], (8, 6)) == 0  # NHWC already
+    w_cl = meta(128, 64, 3, 3, channels_last=True)  # a channels-last weight makes it NHWC too
+    assert benchmark_workspace_bytes(CONV, fwd_args(x, w_cl), [y], (8, 6)) == 0
     x32 = meta(32, 64, 56, 56, dtype=torch.float32)
     assert benchmark_workspace_bytes(CONV, fwd_args(x32, w), [y], (8, 6)) == 0  # not 16-bit
     assert benchmark_workspace_bytes(CONV, fwd_args(x, w), [y], (6, 1)) == 0  # no tensor cores

@@ -26,6 +26,7 @@ its ``grad_output`` plus its input (backward: the data gradient transposes
 torch splits the batch into 32-bit pieces (``split_batch_dim_to_32bit_out`` in
 ConvShared.cpp: at most 256 M elements per piece forward, 128 M for the data gradient,
 512 M for the filter gradient) the workspace is one piece's. Channels-last tensors
+(input or weight: ``cudnn_conv_suggest_memory_format`` then runs the convolution in NHWC)
 need no transposition and get no workspace here; neither do convolutions torch runs
 outside cuDNN (native depthwise, :mod:`batchfit.engine.limits`) nor fp32 ones.
 
@@ -95,17 +96,19 @@ def benchmark_workspace_bytes(op: str, args: tuple, outputs: list[torch.Tensor],
     if not routed_to_cudnn or compute_capability < (7, 0):
         return 0
     if op == "aten.convolution.default":
-        x = args[0]
+        x, w = args[0], args[1]
         transposed = bool(args[6]) if len(args) > 6 else False
         y = outputs[0] if outputs else None
-        if y is None or transposed or x.dim() != 4 or x.dtype not in _HALF or _channels_last(x):
+        if (y is None or transposed or x.dim() != 4 or x.dtype not in _HALF
+                or _channels_last(x) or _channels_last(w)):
             return 0
         fraction = _piece_fraction(x, y, _SPLIT_ELEMENTS["forward"])
         return int((_nbytes(x) + _nbytes(y)) * fraction)
     if op == "aten.convolution_backward.default":
-        grad_output, x = args[0], args[1]
+        grad_output, x, w = args[0], args[1], args[2]
         transposed = bool(args[7]) if len(args) > 7 else False
-        if transposed or x.dim() != 4 or x.dtype not in _HALF or _channels_last(x):
+        if (transposed or x.dim() != 4 or x.dtype not in _HALF or _channels_last(x)
+                or _channels_last(w)):
             return 0
         fraction = min(_piece_fraction(x, grad_output, _SPLIT_ELEMENTS["backward_input"]),
                        _piece_fraction(x, grad_output, _SPLIT_ELEMENTS["backward_weight"]))
