@@ -143,3 +143,35 @@ def test_old_stack_attention_runs_the_math_path():
     old, new = run("torch1.12+cu113"), run("torch2.4+cu124")
     saved = 8 * 4 * 512 * 512 * 2  # fp16 attention weights of one call, 16 MiB
     assert old.peak_allocated_bytes - new.peak_allocated_bytes >= saved
+
+
+def test_torch_1_10_softmax_keeps_its_input():
+    # torch < 1.11 saved softmax's input for backward (#64000, fixed by #65242): the fp16
+    # logits of q @ k.T (batch 8, 4 heads, 256 x 256: 8*4*256*256*2 = 4 MiB) stay alive
+    # until softmax's backward; from 1.11 nothing refers to them after softmax, so they
+    # die in forward. The fp32 softmax output is saved on both.
+    from batchfit.engine.spec import TrainConfig
+    from batchfit.engine.trace import EventKind, Phase, trace_step
+
+    class Scores(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(32, 32)
+
+        def forward(self, x):
+            b, n, _ = x.shape
+            q = self.q(x).reshape(b, n, 4, 8).transpose(1, 2)
+            return (q @ q.transpose(-2, -1)).softmax(dim=-1).sum()
+
+    def logits_freed_in(stack):
+        config = TrainConfig(optimizer="sgd", precision="amp-fp16", stack=stack,
+                             grads_to_none=True)
+        device = batchfit.DeviceProfile.cuda(80 << 30, (8, 0))
+        events = trace_step(Scores, (256, 32), 8, config, device).first_events
+        logits = [e for e in events if e.kind is EventKind.ALLOC and e.op == "aten.bmm.default"
+                  and e.nbytes == 8 * 4 * 256 * 256 * 2]
+        assert len(logits) == 1
+        return [e.phase for e in events if e.kind is EventKind.FREE and e.key == logits[0].key]
+
+    assert logits_freed_in("torch1.10+cu113") == [Phase.BACKWARD]
+    assert logits_freed_in("torch1.12+cu113") == [Phase.FORWARD]

@@ -22,6 +22,10 @@ reasons each written in a source:
   :attr:`Stack.foreach_default`.
 * **Fused attention.** ``F.scaled_dot_product_attention`` exists from torch 2.0; before,
   attention is computed explicitly (what the math backend does). :attr:`Stack.has_sdpa`.
+* **Softmax's saved input.** Before torch 1.11 the backward formulas of softmax and
+  log_softmax referenced ``self``, so autograd kept the input alive beside the output
+  (pytorch/pytorch#64000, fixed by #65242): an extra attention-matrix-sized tensor per
+  attention layer in training. :attr:`Stack.softmax_saves_input`.
 * **cuDNN's version** decides which convolution kernels a depthwise convolution reaches
   (:mod:`batchfit.engine.limits`) and whether cuDNN attention is available.
 
@@ -212,6 +216,12 @@ class Stack:
     def foreach_default(self) -> bool:
         """CUDA optimizers default to the multi-tensor implementation (torch >= 2.0)."""
         return self.torch_version >= (2, 0)
+
+    @property
+    def softmax_saves_input(self) -> bool:
+        """Autograd keeps softmax's input besides its output (torch < 1.11: the backward
+        formula referenced ``self``, pytorch/pytorch#64000; #65242 removed it)."""
+        return self.torch_version < (1, 11)
 
     @property
     def has_sdpa(self) -> bool:

@@ -477,7 +477,8 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             emulation = CudaEmulation(device.compute_capability,
                                       autocast_dtype=torch_dtype(amp) if amp else None,
                                       cudnn_version=stack.cudnn_version,
-                                      fused_attention=stack.has_sdpa)
+                                      fused_attention=stack.has_sdpa,
+                                      softmax_saves_input=stack.softmax_saves_input)
             autocast = emulation.autocast_region if amp else None
             emulation.where = tracer.current_module
         elif precision.autocast_dtype:
