@@ -119,6 +119,22 @@ def test_native_depthwise_backward_is_checked_too():
     assert hit is not None and hit.measure == 600 * 64 * 256 * 256
 
 
+def test_channels_last_is_read_from_the_stride_order():
+    from batchfit.engine.limits import suggests_channels_last
+
+    # exact NHWC: yes; plain NCHW: no
+    assert suggests_channels_last(tensor(2, 8, 4, 4, channels_last=True))
+    assert not suggests_channels_last(tensor(2, 8, 4, 4))
+    # a channel slice of an NHWC tensor permuted to NCHW (MambaOut's gated conv input):
+    # strides (4*4*24, 1, 4*24, 24) are not exactly channels-last but ordered like it
+    nhwc = torch.empty(2, 4, 4, 24, device="meta")
+    sliced = nhwc[..., 16:].permute(0, 3, 1, 2)
+    assert sliced.stride() == (384, 1, 96, 24)
+    assert suggests_channels_last(sliced)
+    # N111 tensors fall back to NCHW (the ambiguous case in MemoryFormat.h)
+    assert not suggests_channels_last(tensor(4, 1, 1, 1))
+
+
 def test_index_extent_counts_the_largest_offset():
     # a transposed view of a (4, 6) tensor: numel 24, largest offset (6-1)*1 + (4-1)*6 = 23
     t = torch.empty(4, 6, device="meta").t()

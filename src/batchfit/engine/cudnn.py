@@ -65,8 +65,9 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _channels_last(tensor: torch.Tensor) -> bool:
-    return (tensor.dim() == 4 and not tensor.is_contiguous()
-            and tensor.is_contiguous(memory_format=torch.channels_last))
+    from batchfit.engine.limits import suggests_channels_last
+
+    return suggests_channels_last(tensor)
 
 
 def _piece_fraction(a: torch.Tensor, b: torch.Tensor, max_elements: int) -> float:

@@ -124,11 +124,24 @@ def index_extent(tensor: torch.Tensor) -> int:
     return max(numel, offset + 1)
 
 
-def _suggests_channels_last(tensor: torch.Tensor) -> bool:
-    """``suggest_memory_format() == ChannelsLast`` for a 4-D tensor."""
-    if tensor.dim() != 4 or tensor.is_contiguous():
+def suggests_channels_last(tensor: torch.Tensor) -> bool:
+    """``tensor.suggest_memory_format() == ChannelsLast`` for a 4-D tensor: torch's
+    ``is_channels_last_strides_2d_s4`` (c10/core/MemoryFormat.h), which looks at the
+    order of the strides, not at exact channels-last contiguity (a channel slice of an
+    NHWC tensor, permuted to NCHW, still suggests channels-last)."""
+    if tensor.dim() != 4:
         return False
-    return tensor.is_contiguous(memory_format=torch.channels_last)
+    sizes, strides = tensor.shape, tensor.stride()
+    if strides[1] == 0:
+        return False
+    smallest = 0
+    for d in (1, 3, 2, 0):
+        if sizes[d] == 0 or strides[d] < smallest:
+            return False
+        if d == 0 and smallest == strides[1]:
+            return False
+        smallest = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
+    return True
 
 
 def _cudnn_workload_ok(input_shape: tuple[int, ...], stride: int, weight_shape: tuple[int, ...]
@@ -160,7 +173,7 @@ def depthwise_backend(stack: Any, input: torch.Tensor, weight: torch.Tensor, *,
                       stride: tuple[int, ...], dilation: tuple[int, ...]) -> str:
     """``"cudnn"`` or ``"native"``: where ``ConvParams::use_cudnn_depthwise`` (Convolution.cpp)
     sends a depthwise convolution on ``stack`` (see the module docstring for versions)."""
-    channels_last = _suggests_channels_last(input) or _suggests_channels_last(weight)
+    channels_last = suggests_channels_last(input) or suggests_channels_last(weight)
     cudnn = stack.cudnn_version
     large = max(index_extent(input), index_extent(weight)) >= INT32_MAX
     if large and stack.torch_version >= (2, 9):
