@@ -26,6 +26,7 @@ LAYERS = {
     "batchfit.answers": 30,
     "batchfit.realrun": 40,
     "batchfit.speed": 50,
+    "batchfit.stats": 60,
     "batchfit.integrations": 70,
     "batchfit.cli": 80,
 }

@@ -13,6 +13,7 @@ from batchfit.errors import (
     DoesNotFitError,
     InputShapeError,
     InvalidInputError,
+    MemoryBelowOverheadError,
     ModelForwardError,
     ModelSpecError,
     UntraceableError,
@@ -26,6 +27,8 @@ _LAZY = {
     "Category": "batchfit.engine.trace",
     "Phase": "batchfit.engine.trace",
     "DeviceProfile": "batchfit.device.profile",
+    "gpu_profile": "batchfit.device.profile",
+    "find_gpu": "batchfit.device.catalog",
     "max_batch_size": "batchfit.answers.maxbatch",
     "max_seq_len": "batchfit.answers.maxbatch",
     "MaxBatchResult": "batchfit.answers.maxbatch",
@@ -34,13 +37,18 @@ _LAZY = {
     "bench": "batchfit.speed.bench",
     "BenchResult": "batchfit.speed.bench",
     "predict_throughput": "batchfit.speed.roofline",
+    "noise_scale": "batchfit.stats.measure",
+    "NoiseScale": "batchfit.stats.estimator",
+    "NoiseScaleMonitor": "batchfit.stats.monitor",
+    "recommend_batch_size": "batchfit.stats.recommend",
+    "Recommendation": "batchfit.stats.recommend",
     "find_batch_size": "batchfit.integrations.decorator",
     "FoundBatchSize": "batchfit.integrations._trials",
 }
 
 __all__ = [
     "BatchfitError", "DoesNotFitError", "InputShapeError", "InvalidInputError",
-    "ModelForwardError", "ModelSpecError", "UntraceableError", "Mode", "OptimizerName",
+    "MemoryBelowOverheadError", "ModelForwardError", "ModelSpecError", "UntraceableError", "Mode", "OptimizerName",
     "Precision", "TensorSpec", "TrainConfig", *_LAZY,
 ]
 

@@ -18,6 +18,21 @@ class InvalidInputError(BatchfitError, ValueError):
     """A malformed option: a bad shape, size, optimizer, precision or GPU name."""
 
 
+class MemoryBelowOverheadError(InvalidInputError):
+    """A memory size that cannot even hold the device's fixed overheads (the CUDA context and
+    the cuBLAS workspaces), so no step fits whatever the batch: a mistyped ``--memory``.
+
+    Attributes:
+        needed_bytes: the context plus the workspaces.
+        given_bytes: the memory given.
+    """
+
+    def __init__(self, message: str, needed_bytes: int, given_bytes: int):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.given_bytes = given_bytes
+
+
 class ModelSpecError(BatchfitError, ValueError):
     """A model specification that cannot be resolved into a model."""
 

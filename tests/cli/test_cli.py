@@ -138,12 +138,100 @@ def test_gpus_json():
     assert len(names) >= 30
 
 
+def test_gpus_lists_the_new_cards():
+    result = invoke("gpus", "--json")
+    cards = {g["name"]: g for g in json.loads(result.stdout)["gpus"]}
+    for name in ("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition",
+                 "NVIDIA RTX PRO 6000 Blackwell Server Edition", "NVIDIA GeForce RTX 5070 Ti",
+                 "NVIDIA H20", "NVIDIA B300", "AMD Instinct MI355X", "NVIDIA Jetson AGX Orin 64GB"):
+        assert name in cards, name
+    assert cards["NVIDIA Jetson AGX Orin 64GB"]["unified_memory"] is True
+    table = invoke("gpus")
+    assert table.exit_code == 0 and "MI355X" in table.stdout and "Orin" in table.stdout
+
+
+def test_the_dev_brackets_card_with_the_memory_nvidia_smi_reports(factory_file):
+    """The brackets' RTX PRO 6000 Max-Q, at the 97,887 MiB nvidia-smi reports."""
+    result = invoke("max", f"{factory_file}:with_spec", "--gpu", "RTX PRO 6000 Blackwell Max-Q",
+                    "--memory", "97887MiB", "--max-batch-limit", "1024", "--json")
+    assert result.exit_code == 0, result.output
+    device = json.loads(result.stdout)["device"]
+    assert device["name"] == "NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition"
+    assert (device["compute_capability"], device["sm_count"]) == ([12, 0], 188)
+    assert device["total_memory_bytes"] == 97_887 * MIB
+
+
+def test_a_unified_memory_card_says_what_its_answer_assumes(factory_file):
+    result = invoke("max", f"{factory_file}:with_spec", "--gpu", "AGX Orin",
+                    "--max-batch-limit", "1024")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert "shares its 64.0 GiB with the CPU and the OS" in text and "MemAvailable" in text
+
+
 def test_max_on_a_named_gpu(factory_file):
     result = invoke("max", f"{factory_file}:with_spec", "--gpu", "T4", "--json",
                     "--max-batch-limit", "4096")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["max_batch_size"] == 4096 and data["binding_constraint"] == "max_batch_limit"
+
+
+GIB = 1 << 30
+
+
+def test_gpu_with_memory_is_that_card_with_that_memory(factory_file):
+    """--gpu NAME --memory SIZE: the card's architecture, SIZE as its memory."""
+    result = invoke("max", f"{factory_file}:with_spec", "--gpu", "RTX 5090", "--memory", "2GiB",
+                    "--max-batch-limit", "10000000", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    device = data["device"]
+    # From the card (RTX Blackwell whitepaper: sm_120, 170 SMs; cuBLAS + cuBLASLt keep
+    # 32 MiB each from sm90 on) ...
+    assert device["compute_capability"] == [12, 0] and device["sm_count"] == 170
+    assert device["name"] == "NVIDIA GeForce RTX 5090"
+    assert device["workspace_bytes"] == 2 * 32 * MIB
+    # ... and the memory from the flag, in the device and in the budget.
+    assert device["total_memory_bytes"] == data["memory_bytes"] == 2 * GIB
+    assert data["budget_bytes"] == 2 * GIB - 512 * MIB - 64 * MIB
+    assert data["binding_constraint"] == "memory"
+    assert data["total_bytes_at_max"] <= 2 * GIB < data["total_bytes_at_next"]
+
+
+def test_gpu_with_its_own_memory_answers_as_the_catalog_card(factory_file):
+    args = ("max", f"{factory_file}:with_spec", "--gpu", "T4", "--max-batch-limit", "10000000",
+            "--json")
+    plain = json.loads(invoke(*args).stdout)
+    given = json.loads(invoke(*args, "--memory", "16GiB").stdout)  # T4: 16 GB, read as GiB
+    assert given == plain
+
+
+def test_gpu_with_memory_and_overhead(factory_file):
+    result = invoke("max", f"{factory_file}:with_spec", "--gpu", "RTX 5090", "--memory",
+                    "256MiB", "--overhead", "100MiB", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["device"]["context_bytes"] == 100 * MIB
+    assert data["budget_bytes"] == (256 - 100 - 64) * MIB
+
+
+def test_estimate_on_a_gpu_with_memory(factory_file):
+    result = invoke("estimate", f"{factory_file}:with_spec", "-b", "8", "--gpu", "A100",
+                    "--memory", "40GiB", "--json")
+    assert result.exit_code == 0, result.output
+    device = json.loads(result.stdout)["device"]
+    assert device["compute_capability"] == [8, 0] and device["sm_count"] == 108
+    assert device["total_memory_bytes"] == 40 * GIB
+
+
+def test_bench_predict_on_a_gpu_with_memory(factory_file):
+    result = invoke("bench", f"{factory_file}:with_spec", "--gpu", "RTX 5090", "--predict",
+                    "--memory", "1GiB", "--batches", "4,16", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["memory_bytes"] == data["device"]["total_memory_bytes"] == GIB
+    assert data["device"]["compute_capability"] == [12, 0]
 
 
 def test_plot_is_written(factory_file, tmp_path):
@@ -177,7 +265,17 @@ BAD = [
     (["estimate", "{factory}:broken", "-b", "2", "--input", "128"], 2, "cannot build this"),
     (["estimate", "timm:resnet18", "-b", "-4"], 2, "--batch-size"),
     (["estimate", "timm:resnet18", "-b", "0"], 2, "--batch-size"),
-    (["max", "timm:resnet18", "--gpu", "T4", "--memory", "16GiB"], 2, "conflict"),
+    # --gpu with --memory: a malformed size, and a memory the context and workspaces fill.
+    # T4 (sm75): context 512 MiB + cuBLAS workspaces 2 x 8.125 MiB = 553,910,272 B.
+    (["max", "timm:resnet18", "--gpu", "T4", "--memory", "16 parsecs"], 2, "like 24GiB"),
+    (["max", "timm:resnet18", "--gpu", "T4", "--memory", "256MiB"], 2,
+     "below the 553,910,272 B"),
+    (["max", "timm:resnet18", "--gpu", "T4", "--memory", "16MiB", "--overhead", "0"], 2,
+     "16,777,216 B is below the 17,039,360 B"),
+    (["estimate", "timm:resnet18", "-b", "2", "--gpu", "T4", "--memory", "0.1GiB"], 2, "below"),
+    (["estimate", "timm:resnet18", "-b", "2", "--memory", "8GiB"], 2, "goes with --gpu"),
+    (["bench", "{factory}:with_spec", "--gpu", "T4", "--predict", "--memory", "256MiB"], 2,
+     "below the 553,910,272 B"),
     (["max", "timm:resnet18", "--gpu", "T4", "--device", "cpu"], 2, "not both"),
     (["estimate", "timm:resnet18", "-b", "2", "--optimizer", "adamx"], 2, "unknown optimizer"),
     (["estimate", "timm:resnet18", "-b", "2", "--precision", "fp8"], 2, "unknown precision"),

@@ -138,7 +138,8 @@ def test_formats_only_where_the_hardware_has_them(gpu):
         assert ("tf32" in gpu.peak_flops) == ampere_or_later
         assert ("fp8" in gpu.peak_flops) == (gpu.compute_capability >= (8, 9))
     else:
-        assert ("fp8" in gpu.peak_flops) == (gpu.arch == "gfx942")
+        # CDNA 3 (gfx942) and CDNA 4 (gfx950, MI355X) have fp8 matrix cores.
+        assert ("fp8" in gpu.peak_flops) == (gpu.arch in ("gfx942", "gfx950"))
 
 
 @pytest.mark.parametrize(("name", "precision", "tflops"), [
@@ -403,3 +404,223 @@ def test_live_memory_leaves_out_what_other_processes_hold():
     props = torch.cuda.get_device_properties(0)
     others = memory_used_by_others(props) or 0
     assert live_gpu(0).memory_bytes == props.total_memory - others
+
+
+# --- a card's architecture with other memory --------------------------------------
+
+
+def test_with_memory_keeps_the_architecture_and_replaces_the_memory():
+    card = find_gpu("RTX 5090")
+    bigger = card.with_memory(48 * GIB)
+    assert bigger.memory_bytes == 51_539_607_552  # 48 * 2**30
+    assert (bigger.compute_capability, bigger.sm_count) == ((12, 0), 170)
+    assert bigger.peak_flops == card.peak_flops and bigger.name == card.name
+    assert card.memory_bytes == 32 * GIB  # the catalog's card is untouched
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "48GiB", True])
+def test_with_memory_refuses_what_is_not_a_positive_byte_count(bad):
+    with pytest.raises(InvalidInputError, match="positive number of bytes"):
+        find_gpu("A100").with_memory(bad)
+
+
+def test_gpu_profile_with_memory_is_that_card_with_that_memory():
+    from batchfit.device.profile import gpu_profile
+
+    profile = gpu_profile(find_gpu("H100"), memory_bytes=40 * GIB)
+    assert profile.total_memory_bytes == 40 * GIB
+    assert profile.compute_capability == (9, 0) and profile.sm_count == 132
+    # torch's cuBLAS and cuBLASLt workspaces from sm90 on: 32 MiB each.
+    assert profile.workspace_bytes == 2 * 32 * 2**20
+    assert profile.extra["gpu"].memory_bytes == 40 * GIB
+    assert profile.extra["gpu"].peak_flops["bf16"] == pytest.approx(989.4e12)
+
+
+def test_gpu_profile_refuses_memory_the_overheads_fill():
+    from batchfit.device.profile import gpu_profile
+    from batchfit.errors import MemoryBelowOverheadError
+
+    # T4 (sm75): the 512 MiB context + 2 x 8.125 MiB cuBLAS workspaces = 553,910,272 B.
+    with pytest.raises(MemoryBelowOverheadError) as info:
+        gpu_profile(find_gpu("T4"), memory_bytes=512 * 2**20)
+    assert (info.value.needed_bytes, info.value.given_bytes) == (553_910_272, 536_870_912)
+    assert "536,870,912 B is below the 553,910,272 B" in str(info.value)
+    assert len(str(info.value).splitlines()) == 1
+    # The same memory holds a smaller context.
+    profile = gpu_profile(find_gpu("T4"), memory_bytes=512 * 2**20, context_bytes=0)
+    assert profile.context_bytes == 0 and profile.total_memory_bytes == 512 * 2**20
+
+
+def test_a_card_with_other_memory_is_the_documented_library_way():
+    import batchfit
+
+    est = batchfit.estimate(lambda: __import__("torch").nn.Linear(64, 64), (64,), 8,
+                            device=batchfit.gpu_profile(batchfit.find_gpu("L4"), 12 * GIB))
+    assert est.device.total_memory_bytes == 12 * GIB
+    assert est.device.compute_capability == (8, 9)
+
+
+# --- the cards added for issue 13 ------------------------------------------------------
+# Expected values are the datasheets' own figures, or the arithmetic written beside them.
+
+NEW_CARDS = {
+    "rtx-pro-6000-blackwell-server": [
+        "RTX PRO 6000", "RTX PRO 6000 Blackwell", "PRO 6000", "rtx pro 6000 96gb",
+        "NVIDIA RTX PRO 6000 Blackwell Server Edition", "RTX PRO 6000 Server"],
+    "rtx-pro-6000-blackwell-ws": [
+        "RTX PRO 6000 Workstation Edition", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
+        "RTX PRO 6000 WS"],
+    "rtx-pro-6000-blackwell-max-q": [
+        "RTX PRO 6000 Max-Q", "PRO 6000 Blackwell Max-Q", "RTX PRO 6000 Blackwell Max-Q",
+        "NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition", "rtx-pro-6000-maxq"],
+    "rtx-pro-5000-blackwell": ["RTX PRO 5000", "RTX PRO 5000 Blackwell", "RTX PRO 5000 48GB"],
+    "rtx-pro-5000-blackwell-72gb": ["RTX PRO 5000 72GB", "NVIDIA RTX PRO 5000 72GB Blackwell"],
+    "rtx-pro-4500-blackwell": ["RTX PRO 4500", "NVIDIA RTX PRO 4500 Blackwell"],
+    "rtx-pro-4000-blackwell": ["RTX PRO 4000", "PRO 4000 Blackwell"],
+    "rtx-5070-ti": ["5070 Ti", "RTX 5070 Ti", "NVIDIA GeForce RTX 5070 Ti", "rtx5070ti 16gb"],
+    "rtx-5070": ["5070", "RTX 5070", "NVIDIA GeForce RTX 5070"],
+    "rtx-5060-ti-16gb": ["RTX 5060 Ti 16GB", "5060 Ti 16GB", "GeForce RTX 5060 Ti 16 GB"],
+    "h20": ["H20", "NVIDIA H20", "h20 96gb"],
+    "h800-sxm": ["H800", "NVIDIA H800", "H800 SXM", "H800 80GB"],
+    "a800-80gb": ["A800", "A800 80GB", "NVIDIA A800-SXM4-80GB"],
+    "l20": ["L20", "NVIDIA L20", "l20 48gb"],
+    "b300": ["B300", "NVIDIA B300 SXM6 AC", "HGX B300", "B300 288GB"],
+    "gb200": ["GB200", "NVIDIA GB200", "GB200 NVL72"],
+    "mi355x": ["MI355X", "AMD Instinct MI355X", "instinct mi355x"],
+    "jetson-agx-orin-64gb": ["AGX Orin", "Jetson AGX Orin", "Jetson AGX Orin 64GB", "Orin"],
+}
+
+
+@pytest.mark.parametrize(("key", "name"), [(k, n) for k, names in NEW_CARDS.items() for n in names])
+def test_new_cards_resolve_by_the_names_users_type(key, name):
+    assert find_gpu(name).key == key
+
+
+@pytest.mark.parametrize(("name", "variant"), [("RTX 5060 Ti", "RTX 5060 Ti 16GB"),
+                                               ("5060 Ti", "5060 Ti 16GB")])
+def test_the_bare_5060_ti_names_the_variant_the_catalog_has(name, variant):
+    # 8 GB and 16 GB cards are equally common: not guessed, and not confused with the 5070 Ti
+    # one character away.
+    with pytest.raises(InvalidInputError) as info:
+        find_gpu(name)
+    assert str(info.value) == (
+        f"unknown GPU {name!r}: did you mean {variant!r}? (batchfit gpus lists all)")
+
+
+@pytest.mark.parametrize(("key", "expected_bytes"), [
+    ("rtx-pro-6000-blackwell-ws", 103_079_215_104),     # 96 GiB
+    ("rtx-pro-6000-blackwell-max-q", 103_079_215_104),  # 96 GiB
+    ("rtx-pro-6000-blackwell-server", 103_079_215_104),  # 96 GiB
+    ("rtx-pro-5000-blackwell", 51_539_607_552),         # 48 GiB
+    ("rtx-pro-5000-blackwell-72gb", 77_309_411_328),    # 72 GiB
+    ("rtx-pro-4500-blackwell", 34_359_738_368),         # 32 GiB
+    ("rtx-pro-4000-blackwell", 25_769_803_776),         # 24 GiB
+    ("rtx-5070-ti", 17_179_869_184),                    # 16 GiB
+    ("rtx-5070", 12_884_901_888),                       # 12 GiB
+    ("rtx-5060-ti-16gb", 17_179_869_184),               # 16 GiB
+    ("h20", 103_079_215_104),                           # 96 GiB
+    ("h800-sxm", 85_899_345_920),                       # 80 GiB
+    ("a800-80gb", 85_899_345_920),                      # 80 GiB
+    ("l20", 51_539_607_552),                            # 48 GiB
+    ("b300", 287_762_808_832),  # 268 GiB: CUDA's 275,040 MiB = 268.6 GiB, rounded down
+    ("gb200", 199_715_979_264),                         # 186 GiB per GPU
+    ("mi355x", 309_237_645_312),                        # 288 GiB
+    ("jetson-agx-orin-64gb", 68_719_476_736),           # 64 GiB, shared with the CPU
+])
+def test_memory_of_new_cards(key, expected_bytes):
+    assert find_gpu(key).memory_bytes == expected_bytes
+
+
+def test_the_dev_brackets_card_is_within_half_a_percent_of_what_nvidia_smi_reports():
+    # The brackets' README: nvidia-smi reports about 97,887 MiB for the RTX PRO 6000 Max-Q.
+    gpu = find_gpu("RTX PRO 6000 Blackwell Max-Q")
+    reported = 97_887 * 2**20
+    assert 0 < gpu.memory_bytes - reported < 0.005 * reported
+
+
+@pytest.mark.parametrize(("name", "cc", "sm_count"), [
+    # SM counts: CUDA cores / 128 per SM where the vendor prints cores.
+    ("RTX PRO 6000 Blackwell Max-Q", (12, 0), 188),  # 24,064 cores
+    ("RTX PRO 6000 Workstation Edition", (12, 0), 188),
+    ("RTX PRO 5000", (12, 0), 110),                  # 14,080 cores
+    ("RTX PRO 4500", (12, 0), 82),                   # 10,496 cores
+    ("RTX PRO 4000", (12, 0), 70),                   # 8,960 cores
+    ("RTX 5070 Ti", (12, 0), 70),                    # 8,960 cores
+    ("RTX 5070", (12, 0), 48),                       # 6,144 cores
+    ("RTX 5060 Ti 16GB", (12, 0), 36),               # 4,608 cores
+    ("H20", (9, 0), 78),
+    ("H800", (9, 0), 132),
+    ("A800", (8, 0), 108),
+    ("L20", (8, 9), 92),                             # 11,776 cores
+    ("B300", (10, 3), 148),                          # sm_103
+    ("GB200", (10, 0), 148),
+    ("AGX Orin", (8, 7), 16),                        # 2,048 cores
+])
+def test_new_cards_architecture(name, cc, sm_count):
+    gpu = find_gpu(name)
+    assert (gpu.compute_capability, gpu.sm_count) == (cc, sm_count)
+
+
+def test_mi355x_is_cdna4():
+    gpu = find_gpu("MI355X")
+    assert (gpu.arch, gpu.sm_count, gpu.compute_capability) == ("gfx950", 256, None)
+    assert "tf32" not in gpu.peak_flops  # AMD publishes no TF32 rate for it
+
+
+@pytest.mark.parametrize(("name", "precision", "tflops"), [
+    # Workstation cards: NVIDIA's 125 TFLOPS fp32 and 4000 AI TOPS (FP4, sparse): bf16 = 4000/8.
+    ("RTX PRO 6000 Workstation Edition", "fp32", 125), ("RTX PRO 6000 WS", "bf16", 500),
+    ("RTX PRO 6000 Max-Q", "fp8", 3511 / 4), ("RTX PRO 5000", "bf16", 2064 / 8),
+    # GeForce: fp32 = 70 SMs x 128 FMA x 2 x 2.452 GHz; fp16 (fp32 accumulate) = 1406 AI TOPS / 16.
+    ("RTX 5070 Ti", "fp32", 43.9), ("RTX 5070 Ti", "fp16", 87.9),
+    ("H20", "bf16", 148), ("H800", "fp8", 1978.9),
+    # HGX B300: 36 PFLOPS fp16 with sparsity for 8 GPUs -> 36000 / 8 / 2.
+    ("B300", "bf16", 2250),
+    # GB200 NVL72: 720 PFLOPS fp8 with sparsity for 72 GPUs -> 720000 / 72 / 2.
+    ("GB200", "fp8", 5000),
+    ("MI355X", "bf16", 2500), ("MI355X", "fp32", 157.3),
+    # Orin: 2,048 cores x 2 x 1.3 GHz = 5.32 TFLOPS; 170 sparse INT8 TOPS -> 85 dense -> 42.5 fp16.
+    ("AGX Orin", "fp32", 5.3), ("AGX Orin", "fp16", 42.5),
+])
+def test_new_cards_peak_rates(name, precision, tflops):
+    assert find_gpu(name).peak_flops[precision] == pytest.approx(tflops * 1e12, rel=1e-3)
+
+
+def test_only_the_jetson_shares_its_memory_with_the_cpu():
+    from batchfit.device.profile import gpu_profile
+
+    assert [g.key for g in load_catalog() if g.unified_memory] == ["jetson-agx-orin-64gb"]
+    profile = gpu_profile(find_gpu("AGX Orin"))
+    assert profile.unified_memory and profile.to_dict()["unified_memory"] is True
+    assert find_gpu("AGX Orin").to_dict()["unified_memory"] is True
+    assert not gpu_profile(find_gpu("A100")).unified_memory
+
+
+def test_a_live_jetson_gets_the_memory_the_kernel_has_available(monkeypatch):
+    from batchfit.device import catalog
+
+    # An AGX Orin as torch reports it: name "Orin", 16 SMs, sm_87, integrated, all of the
+    # module's memory as total_memory (this figure is illustrative).
+    props = _props("Orin", 61 * GIB, 16, 8, 7)
+    props.is_integrated = 1
+    _fake_devices(monkeypatch, props)
+    monkeypatch.setattr(catalog, "host_memory_available_bytes", lambda: 40 * GIB)
+    gpu = live_gpu(0)
+    assert gpu.memory_bytes == 40 * GIB and gpu.unified_memory
+    assert gpu.peak_flops["fp16"] == pytest.approx(42.5e12)  # the AGX Orin row's rates
+    assert "MemAvailable" in gpu.source
+    # A discrete card never reads the host's memory.
+    _fake_devices(monkeypatch, _props("NVIDIA A100-SXM4-80GB", 85_174_583_296, 108, 8, 0))
+    assert live_gpu(0).memory_bytes == 85_174_583_296 and not live_gpu(0).unified_memory
+
+
+def test_host_memory_available_reads_meminfo(tmp_path):
+    from batchfit.device.catalog import host_memory_available_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       65881152 kB\nMemFree:         1024 kB\n"
+                       "MemAvailable:   41943040 kB\n")
+    assert host_memory_available_bytes(str(meminfo)) == 41_943_040 * 1024  # 40 GiB
+    meminfo.write_text("MemTotal:       65881152 kB\n")  # kernels before 3.14 lack the line
+    assert host_memory_available_bytes(str(meminfo)) is None
+    assert host_memory_available_bytes(str(tmp_path / "absent")) is None

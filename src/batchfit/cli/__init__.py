@@ -1,4 +1,4 @@
-"""The command line: ``batchfit estimate | max | search | bench | gpus``.
+"""The command line: ``batchfit estimate | max | search | bench | gpus | noise | recommend``.
 
 Owns the typer app (:mod:`batchfit.cli.app`), the rich renderings of results
 (:mod:`batchfit.cli.report`) and the matplotlib figures (:mod:`batchfit.cli.plot`).
@@ -6,6 +6,7 @@ The top layer: it may import every other part of batchfit, and nothing imports i
 Commands import torch and the engine lazily, so ``batchfit --help`` stays fast.
 """
 
+from batchfit.cli import noise as _noise  # noqa: F401 - registers noise and recommend
 from batchfit.cli.app import app, main
 
 __all__ = ["app", "main"]

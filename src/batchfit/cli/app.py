@@ -35,7 +35,8 @@ out = Console()
 err = Console(stderr=True)
 
 ModelArg = typer.Argument(..., help="timm:NAME, torchvision:NAME, hf:NAME or path/to/file.py:factory")
-GpuOpt = typer.Option(None, "--gpu", help="a catalog GPU name (batchfit gpus lists them), or 'auto'")
+GpuOpt = typer.Option(None, "--gpu", help="a catalog GPU name (batchfit gpus lists them), or "
+                      "'auto'; with --memory SIZE, that card with SIZE of memory")
 DeviceOpt = typer.Option(None, "--device", help="cpu, or cuda:N to read a live GPU")
 InputOpt = typer.Option(None, "--input", help="per-sample input shape, e.g. 3x224x224")
 SeqOpt = typer.Option(None, "--seq-len", help="sequence length for token models")
@@ -94,15 +95,24 @@ def _progress(enabled: bool, description: str):
 
 def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
                     overhead: str | None, need_budget: bool) -> tuple[Any, int | None]:
+    """The target profile, and the memory budget when it is not the profile's own memory.
+
+    ``--gpu NAME --memory SIZE`` is that card's architecture with SIZE of memory: the size
+    becomes the profile's memory (shown and reported as the card's), so no separate budget
+    is returned. With ``--device`` (or alone) ``--memory`` keeps its budget meaning: the CPU's
+    budget, or a cap below a live card's memory.
+    """
     from batchfit.device.profile import DeviceProfile, gpu_profile
 
     if gpu and device:
         raise InvalidInputError("give --gpu or --device, not both")
     memory_bytes = parse_size(memory) if memory is not None else None
-    if gpu and memory_bytes is not None:
-        raise InvalidInputError(
-            "--gpu and --memory conflict: --memory sets the budget for --device cpu; "
-            "to model a card with other memory use --gpu NAME only, or --device cpu --memory SIZE")
+    context_bytes = parse_size(overhead, allow_zero=True) if overhead is not None else None
+    if gpu:
+        from batchfit.device.catalog import find_gpu, live_gpu
+
+        card = live_gpu(0) if gpu.strip().lower() == "auto" else find_gpu(gpu)
+        return gpu_profile(card, memory_bytes, context_bytes=context_bytes), None
     if device is not None:
         text = device.strip().lower()
         if text == "cpu":
@@ -113,10 +123,6 @@ def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
             profile = gpu_profile(live_gpu(int(text.partition(":")[2] or 0)))
         else:
             raise InvalidInputError(f"unknown device {device!r}: use cpu or cuda:N (e.g. cuda:0)")
-    elif gpu:
-        from batchfit.device.catalog import find_gpu, live_gpu
-
-        profile = gpu_profile(live_gpu(0) if gpu.strip().lower() == "auto" else find_gpu(gpu))
     elif memory_bytes is not None:
         profile = DeviceProfile.cpu()
     elif need_budget:
@@ -124,8 +130,8 @@ def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
                                 "or --device cuda:N")
     else:
         profile = DeviceProfile.cpu()
-    if overhead is not None:
-        profile = profile.with_overheads(context_bytes=parse_size(overhead, allow_zero=True))
+    if context_bytes is not None:
+        profile = profile.with_overheads(context_bytes=context_bytes)
     return profile, memory_bytes
 
 
@@ -185,6 +191,9 @@ def estimate_cmd(
     model: str = ModelArg,
     batch_size: int = typer.Option(..., "--batch-size", "-b", help="the batch size"),
     gpu: Optional[str] = GpuOpt, device: Optional[str] = DeviceOpt,
+    memory: Optional[str] = typer.Option(
+        None, "--memory", help="with --gpu: the card's memory, e.g. 48GiB (its architecture, "
+        "this much memory)"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
     mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
     checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
@@ -199,7 +208,11 @@ def estimate_cmd(
             raise InvalidInputError(f"--batch-size must be a positive integer, not {batch_size}")
         _check_plot(plot)
         settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark)
-        profile, _ = _resolve_device(gpu, device, None, overhead, need_budget=False)
+        if memory is not None and not gpu:
+            raise InvalidInputError(
+                "estimate --memory goes with --gpu NAME, as that card's memory; an estimate "
+                "on --device uses the device as it is (max --memory sets a budget)")
+        profile, _ = _resolve_device(gpu, device, memory, overhead, need_budget=False)
         with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                           checkpointing, channels_last, model_kwargs, **settings)
@@ -224,7 +237,8 @@ def estimate_cmd(
 def max_cmd(
     model: str = ModelArg,
     gpu: Optional[str] = GpuOpt, device: Optional[str] = DeviceOpt,
-    memory: Optional[str] = typer.Option(None, "--memory", help="memory budget, e.g. 24GiB"),
+    memory: Optional[str] = typer.Option(
+        None, "--memory", help="memory budget, e.g. 24GiB; with --gpu NAME, that card's memory"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
     mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
     checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
@@ -415,7 +429,9 @@ def bench_cmd(
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda:N (measured)"),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="a catalog GPU, with --predict"),
     predict: bool = typer.Option(False, "--predict", help="predict on --gpu; no device needed"),
-    memory: Optional[str] = typer.Option(None, "--memory", help="CPU memory budget, e.g. 8GiB"),
+    memory: Optional[str] = typer.Option(
+        None, "--memory", help="memory budget on --device, e.g. 8GiB; with --gpu NAME --predict, "
+        "that card's memory"),
     batches: str = typer.Option("auto", "--batches", help="auto, or a list like 16,32,64"),
     dataset_size: Optional[int] = typer.Option(None, "--dataset-size",
                                                help="samples per epoch, for the epoch time"),
@@ -438,13 +454,14 @@ def bench_cmd(
             raise InvalidInputError("--gpu goes with --predict; to measure, use --device cpu|cuda:N")
         batch_list = _parse_batches(batches)
         memory_bytes = parse_size(memory) if memory is not None else None
+        card = _predicted_card(gpu, memory_bytes) if predict else None
         spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                       checkpointing, channels_last, model_kwargs)
         if predict:
             from batchfit.speed.roofline import predict_throughput
 
             with _progress(not as_json, f"predicting {model} on {gpu}..."):
-                result = predict_throughput(spec.factory, inputs, config, gpu=gpu,
+                result = predict_throughput(spec.factory, inputs, config, gpu=card,
                                             batches=batch_list, dataset_size=dataset_size)
         else:
             from batchfit.speed.bench import bench
@@ -466,6 +483,19 @@ def bench_cmd(
         out.print(render_bench(result, model))
         if plot:
             out.print(f"plot written to {plot}")
+
+
+def _predicted_card(gpu: str, memory_bytes: int | None) -> Any:
+    """The catalog card ``bench --predict`` runs on; with ``--memory``, its architecture with
+    that memory (checked against the context and workspaces as ``max`` checks it)."""
+    from batchfit.device.catalog import find_gpu
+    from batchfit.device.profile import gpu_profile
+
+    card = find_gpu(gpu)
+    if memory_bytes is None:
+        return card
+    gpu_profile(card, memory_bytes)  # one clear line if the memory cannot hold the overheads
+    return card.with_memory(memory_bytes)
 
 
 def _parse_batches(text: str) -> Any:

@@ -48,6 +48,16 @@ def modules_table(top_modules: Sequence[Any], total_bytes: int) -> Table:
     return table
 
 
+def unified_memory_note(device: Any) -> Text | None:
+    """For a GPU that shares its memory with the CPU (Jetson), what the answer assumes."""
+    if not getattr(device, "unified_memory", False):
+        return None
+    return Text(
+        f"note: {device.name} shares its {format_bytes(device.total_memory_bytes)} with the CPU "
+        "and the OS (unified memory); this assumes all of it is free for CUDA: give --memory "
+        "with what is free before training (MemAvailable in /proc/meminfo)", style="yellow")
+
+
 def render_estimate(est: Any) -> Group:
     """The breakdown, the top layers and one sentence."""
     device = est.device
@@ -62,6 +72,8 @@ def render_estimate(est: Any) -> Group:
             f"allocated {format_bytes(est.peak_allocated_bytes)}, reserved "
             f"{format_bytes(est.peak_reserved_bytes)}, + CUDA context "
             f"{format_bytes(device.context_bytes)}; card {format_bytes(device.total_memory_bytes)}"))
+    if (note := unified_memory_note(device)) is not None:
+        lines.append(note)
     if est.first_step_peak_bytes not in (None, est.total_bytes):
         lines.append(Text(f"first step (creates optimizer state): "
                           f"{format_bytes(est.first_step_peak_bytes)}"))
@@ -82,6 +94,8 @@ def render_max_batch(result: Any, model: str) -> Group:
         ("Largest batch: ", "bold"), (f"{result.max_batch_size}", "bold green"),
         f" for {model} on {where} ({format_bytes(result.memory_bytes)})")
     lines: list[Any] = [head]
+    if (note := unified_memory_note(device)) is not None:
+        lines.append(note)
     budget = Table(show_header=False, box=None)
     budget.add_column()
     budget.add_column(justify="right")

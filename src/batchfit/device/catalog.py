@@ -22,12 +22,20 @@ Conventions of the table:
 - Where NVIDIA lists two fp16 tensor figures for a GeForce card (fp16 and fp32
   accumulate), the table holds the fp32-accumulate one, which is what PyTorch
   uses and half the other. The same holds for GeForce ``bf16`` and ``fp8``.
-  GeForce figures are at reference (not Founders Edition) boost clocks.
+  GeForce figures are at reference (not Founders Edition) boost clocks. Workstation
+  cards (RTX A/Ada/PRO) accumulate in fp32 at the full rate; where NVIDIA prints only
+  "AI TOPS" (FP4 with sparsity) the tensor rates are divided down from it.
+- Where CUDA reports much less than the marketed figure (B300: 288 GB marketed,
+  268.6 GiB reported), the row holds what CUDA reports, rounded down to whole GiB.
 - Boards with two dies that PyTorch shows as two devices (Tesla K80, AMD
   MI250/MI250X) have one row per device, with that device's share.
 - AMD rows give compute units in ``sm_count``, the gfx architecture in
   ``arch`` and no compute capability.
-- The ``notes`` column says how a row departs from its source, if at all.
+- The ``notes`` column says how a row departs from its source, if at all, and where a
+  figure comes from when the vendor publishes none (China-market cards).
+- ``unified_memory`` is ``yes`` for a GPU that shares its memory with the CPU (Jetson):
+  its ``memory_bytes`` is the module's whole memory, of which the OS and every CPU
+  process take a share, so an answer for it assumes all of it is free for CUDA.
 
 Name resolution: case, spaces, dashes and underscores do not matter, and the
 vendor words "nvidia", "geforce", "tesla", "quadro", "amd" and "instinct" are
@@ -35,9 +43,12 @@ optional. "GB", "GiB" and "G" after a number are the same. Every name, key and
 alias of a card resolves to it, and so does each of them followed by the card's
 memory ("RTX 3090 24GB", "a100-80g"). A name that fits several memory or
 form-factor variants resolves to the most common one in clouds today: "A100"
-is the 80GB SXM card, "H100" the SXM card, "V100" the 16GB SXM2 card. Where two
+is the 80GB SXM card, "H100" the SXM card, "V100" the 16GB SXM2 card, "RTX PRO
+6000" the Server Edition (the one clouds rent; all three have 96 GB). Where two
 variants are equally common ("RTX 4060 Ti" with 8 or 16 GB) the bare name is
-not an alias, and the error names the variant the catalog has.
+not an alias, and the error names the variant the catalog has. For a card the
+catalog lacks in some memory size, its architecture with that memory is
+``find_gpu(name).with_memory(n_bytes)`` (``--gpu NAME --memory SIZE``).
 
 Example:
     >>> from batchfit.device.catalog import find_gpu
@@ -55,7 +66,7 @@ import io
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from types import MappingProxyType
 from typing import Any
@@ -87,6 +98,9 @@ class GPU:
         memory_bandwidth_bytes_per_s: peak memory bandwidth.
         aliases: other names that resolve to this card.
         source: where the numbers come from (a datasheet URL).
+        unified_memory: the GPU shares its memory with the CPU (Jetson): the OS and
+            every CPU process, the training process's own host memory included, take
+            from ``memory_bytes`` too.
     """
 
     name: str
@@ -100,6 +114,23 @@ class GPU:
     memory_bandwidth_bytes_per_s: float
     aliases: tuple[str, ...]
     source: str
+    unified_memory: bool = False
+
+    def with_memory(self, memory_bytes: int) -> GPU:
+        """This card's architecture (compute capability, SMs, rates, bandwidth) with other
+        memory: a memory variant the catalog lacks, or the share of a card you may use.
+
+        Example:
+            >>> from batchfit.device.catalog import find_gpu
+            >>> gpu = find_gpu("RTX 5090").with_memory(48 * 2**30)
+            >>> gpu.memory_bytes // 2**30, gpu.compute_capability, gpu.sm_count
+            (48, (12, 0), 170)
+        """
+        if (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float))
+                or memory_bytes <= 0 or memory_bytes != int(memory_bytes)):
+            raise InvalidInputError(
+                f"memory_bytes must be a positive number of bytes, not {memory_bytes!r}")
+        return replace(self, memory_bytes=int(memory_bytes))
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickle (a trace worker sends estimates back): the read-only rates as a dict."""
@@ -122,6 +153,7 @@ class GPU:
             "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
             "aliases": list(self.aliases),
             "source": self.source,
+            "unified_memory": self.unified_memory,
         }
 
 
@@ -188,7 +220,9 @@ def live_gpu(index: int = 0) -> GPU:
 
     Memory, SM count and compute capability come from the device; with
     nvidia-ml-py installed, memory other processes hold on it (NVML) is taken off
-    ``memory_bytes`` and named in ``source``. Peak rates
+    ``memory_bytes`` and named in ``source``. An integrated GPU (Jetson), whose memory is
+    the system's, gets what the kernel reports available (``MemAvailable``) instead, and
+    ``unified_memory`` set. Peak rates
     and bandwidth come from the catalog card the device name resolves to; if
     the name is unknown, from the card with the same compute capability (or gfx
     arch) and SM count. A partition (MIG slice, AMD CPX) gets the card's rates
@@ -232,7 +266,16 @@ def live_gpu(index: int = 0) -> GPU:
         peak_flops = MappingProxyType({k: v * sm_share for k, v in card.peak_flops.items()})
         bandwidth = card.memory_bandwidth_bytes_per_s * memory_share
         source += f"; peak rates of catalog card {card.key!r} ({card.source})"
-    others = memory_used_by_others(props)
+    # An integrated GPU (Jetson) allocates from the same DRAM as the CPU (NVIDIA, "CUDA for
+    # Tegra": device, host and unified memory are the same physical SoC DRAM), and
+    # total_memory is all of it; what a new allocation can get is what the kernel counts as
+    # MemAvailable. NVML reports nothing there, so the two paths do not overlap.
+    unified = bool(getattr(props, "is_integrated", False))
+    available = host_memory_available_bytes() if unified else None
+    if available is not None and available < memory_bytes:
+        memory_bytes = available
+        source += "; unified memory: MemAvailable of /proc/meminfo (shared with the CPU and OS)"
+    others = None if unified else memory_used_by_others(props)
     if others:
         memory_bytes -= others
         source += f"; less {others} B other processes hold (NVML)"
@@ -240,7 +283,21 @@ def live_gpu(index: int = 0) -> GPU:
         name=props.name, key=f"cuda:{index}", vendor="amd" if is_rocm else "nvidia",
         memory_bytes=memory_bytes, sm_count=sm_count, compute_capability=cc, arch=arch,
         peak_flops=peak_flops, memory_bandwidth_bytes_per_s=bandwidth, aliases=(),
-        source=source)
+        source=source, unified_memory=unified)
+
+
+def host_memory_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory available to new allocations without swapping
+    (``MemAvailable``, Documentation/filesystems/proc.rst), or None where there is none."""
+    try:
+        with open(meminfo, encoding="ascii") as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    value, unit = line.split()[1:3]
+                    return int(value) * 1024 if unit == "kB" else None
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def memory_used_by_others(props: Any) -> int | None:
@@ -287,7 +344,15 @@ def _parse_row(row: Mapping[str, str]) -> GPU:
         memory_bandwidth_bytes_per_s=float(row["memory_bandwidth_gbs"]) * 1e9,
         aliases=tuple(a.strip() for a in row["aliases"].split("|") if a.strip()),
         source=row["source"].strip(),
+        unified_memory=_parse_flag(row["unified_memory"]),
     )
+
+
+def _parse_flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("", "yes"):
+        raise ValueError(f"a flag column holds 'yes' or nothing, not {text!r}")
+    return value == "yes"
 
 
 def _normalise(text: str) -> str:
@@ -329,8 +394,15 @@ def _index() -> tuple[dict[str, GPU], dict[str, str]]:
 
 
 def _unknown_message(name: str, norm: str) -> str:
-    _, spelling = _index()
-    close = difflib.get_close_matches(norm, spelling, n=1, cutoff=0.6)
+    cards, spelling = _index()
+    # A variant's name extends the bare one ("RTX 5060 Ti" -> "RTX 5060 Ti 16GB"): when one
+    # card's names do, it is the variant the catalog has, closer than any edit distance says
+    # ("RTX 5070 Ti" differs from "RTX 5060 Ti" by one character).
+    extending = [n for n in spelling if n.startswith(norm)]
+    if extending and len({cards[n].key for n in extending}) == 1:
+        close = [min(extending, key=lambda n: len(spelling[n]))]
+    else:
+        close = difflib.get_close_matches(norm, spelling, n=1, cutoff=0.6)
     hint = f": did you mean {spelling[close[0]]!r}?" if close else ""
     return f"unknown GPU {name!r}{hint} (batchfit gpus lists all)"
 

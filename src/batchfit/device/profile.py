@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from batchfit.errors import InvalidInputError
+from batchfit.errors import InvalidInputError, MemoryBelowOverheadError
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -59,6 +59,8 @@ class DeviceProfile:
         context_bytes: CUDA context and kernels, outside the allocator; on the CPU the
             runtime's memory beyond live tensors (see the module docstring).
         workspace_bytes: cuBLAS/cuDNN workspaces held through the allocator.
+        unified_memory: the GPU shares ``total_memory_bytes`` with the CPU and the OS
+            (Jetson); batchfit's answer then assumes all of it is free for CUDA.
     """
 
     kind: DeviceKind = DeviceKind.CPU
@@ -68,6 +70,7 @@ class DeviceProfile:
     context_bytes: int = 0
     workspace_bytes: int = 0
     sm_count: int | None = None
+    unified_memory: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     #: False once the user set the context; True while it is the stack's default.
     context_from_stack: bool = field(default=False, compare=False)
@@ -127,6 +130,7 @@ class DeviceProfile:
             "compute_capability": list(self.compute_capability) if self.compute_capability else None,
             "context_bytes": self.context_bytes, "workspace_bytes": self.workspace_bytes,
             "sm_count": self.sm_count,
+            "unified_memory": self.unified_memory,
         }
 
 
@@ -144,8 +148,45 @@ def resolve_device(device: "DeviceProfile | str | None") -> DeviceProfile:
     return gpu_profile(find_gpu(text))
 
 
-def gpu_profile(gpu: Any) -> DeviceProfile:
-    """A profile for a :class:`batchfit.device.catalog.GPU` row."""
+def gpu_profile(gpu: Any, memory_bytes: int | None = None, *,
+                context_bytes: int | None = None) -> DeviceProfile:
+    """A profile for a :class:`batchfit.device.catalog.GPU` row: its compute capability, SM
+    count and cuBLAS workspaces (which depend on the architecture), and its memory.
+
+    Args:
+        gpu: a catalog card (``find_gpu``) or a live one (``live_gpu``).
+        memory_bytes: that card's architecture with this much memory instead of its own
+            (a memory variant the catalog lacks, or the share of a card you may use).
+        context_bytes: the CUDA context (default :data:`DEFAULT_CONTEXT_BYTES`).
+
+    Raises:
+        MemoryBelowOverheadError: ``memory_bytes`` does not exceed the CUDA context plus
+            the workspaces, so no step could fit (the bytes needed vs given).
+
+    Example:
+        >>> from batchfit.device.catalog import find_gpu
+        >>> p = gpu_profile(find_gpu("RTX 5090"), memory_bytes=48 * 2**30)
+        >>> p.total_memory_bytes // 2**30, p.compute_capability, p.sm_count
+        (48, (12, 0), 170)
+    """
+    if memory_bytes is not None:
+        gpu = gpu.with_memory(memory_bytes)
     cc = gpu.compute_capability or (9, 0)
-    profile = DeviceProfile.cuda(gpu.memory_bytes, cc, name=gpu.name, sm_count=gpu.sm_count)
-    return replace(profile, extra={"gpu": gpu})
+    profile = DeviceProfile.cuda(gpu.memory_bytes, cc, name=gpu.name, sm_count=gpu.sm_count,
+                                 context_bytes=context_bytes)
+    if memory_bytes is not None:
+        _check_room_for_overheads(profile)
+    return replace(profile, unified_memory=bool(getattr(gpu, "unified_memory", False)),
+                   extra={"gpu": gpu})
+
+
+def _check_room_for_overheads(profile: DeviceProfile) -> None:
+    """A memory the context and workspaces fill is a mistyped size, not a batch too large."""
+    memory = profile.total_memory_bytes or 0
+    needed = profile.context_bytes + profile.workspace_bytes
+    if memory <= needed:
+        raise MemoryBelowOverheadError(
+            f"memory {memory:,} B is below the {needed:,} B that {profile.name} needs before "
+            f"any tensor (CUDA context {profile.context_bytes:,} B + cuBLAS workspaces "
+            f"{profile.workspace_bytes:,} B): give more memory (--memory) or a smaller context "
+            "(--overhead)", needed_bytes=needed, given_bytes=memory)

@@ -1,7 +1,9 @@
 """Every torch-private API batchfit touches lives here, so a torch upgrade touches one file.
 
 Private pieces used: ``FakeTensorMode`` and its exceptions, ``TorchDispatchMode``,
-``torch._C._current_autograd_node`` and autograd ``Node.metadata``.
+``torch._C._current_autograd_node`` and autograd ``Node.metadata``; for the noise-scale
+hooks, the autograd engine's ``queue_callback``, ``torch._foreach_norm`` and GradScaler's
+``_get_scale_async``.
 """
 
 from __future__ import annotations
@@ -344,3 +346,31 @@ def preserved_global_state() -> Iterator[None]:
         torch.set_grad_enabled(grad_enabled)
         torch.set_default_dtype(default_dtype)
         torch.set_rng_state(rng)
+
+
+def queue_autograd_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass ends, after the callbacks queued
+    before it (DDP queues its gradient reduction this way). Call it during backward.
+
+    ``Variable._execution_engine.queue_callback``: DDP, FSDP and AdaptDL rely on it.
+    """
+    _ENGINE.queue_callback(callback)
+
+
+_ENGINE = torch.autograd.Variable._execution_engine
+
+
+def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's L2 norm in float32 (0-d tensors), in one call per list of tensors on
+    one device: ``torch._foreach_norm``, what ``clip_grad_norm_`` uses."""
+    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+
+
+def grad_scaler_scale(grad_scaler: Any) -> torch.Tensor | float:
+    """A GradScaler's current scale without a device sync (a copy, since ``update()``
+    changes it in place), from the private ``_get_scale_async``; else ``get_scale()``."""
+    async_scale = getattr(grad_scaler, "_get_scale_async", None)
+    scale = async_scale() if async_scale is not None else None
+    if isinstance(scale, torch.Tensor):
+        return scale.detach().clone()
+    return float(grad_scaler.get_scale())

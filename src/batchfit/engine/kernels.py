@@ -111,16 +111,19 @@ def _mkldnn_rnn_layer(args: tuple, kwargs: dict) -> dict[int, int]:
 _SCRATCH_BATCHES = (2, 4)
 
 
-def _real_like(tensor: torch.Tensor, batch: int | None) -> torch.Tensor:
-    """A real zero tensor with ``tensor``'s dtype and memory format, at another batch."""
-    shape = list(tensor.shape)
+def _real_like(tensor: torch.Tensor, batch: int | None = None,
+               shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A real zero tensor with ``tensor``'s dtype and dimension order (the order of its
+    strides: channels-last, a transposed view), at another batch or another shape."""
+    sizes = list(shape if shape is not None else tensor.shape)
     if batch is not None:
-        shape[0] = batch
-    real = torch.zeros(shape, dtype=tensor.dtype)
-    if tensor.dim() == 4 and not tensor.is_contiguous() and \
-            tensor.is_contiguous(memory_format=torch.channels_last):
-        real = real.contiguous(memory_format=torch.channels_last)
-    return real
+        sizes[0] = batch
+    strides = tensor.stride() if tensor.dim() else ()
+    if tensor.dim() < 2 or 0 in strides:  # vectors and broadcast views: the plain layout
+        return torch.zeros(sizes, dtype=tensor.dtype)
+    order = sorted(range(tensor.dim()), key=lambda d: (-strides[d], -tensor.shape[d], d))
+    base = torch.zeros([sizes[d] for d in order], dtype=tensor.dtype)
+    return base.permute([order.index(d) for d in range(tensor.dim())])
 
 
 @contextlib.contextmanager
@@ -160,25 +163,31 @@ def _in_op_scratch(run: Callable[[], Any]) -> int:
     return max(0, peak - sum(outputs.values()))
 
 
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.stride() if value.dim() else ())
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _measured_scratch(op: Any, args: tuple, shapes: dict[int, tuple[int, ...]]) -> int:
+    """Scratch of ``op`` run for real on zero tensors laid out as ``args``, the tensor
+    arguments listed in ``shapes`` at those shapes (cached per signature)."""
+    key = (op, tuple(_signature(a) for a in args), tuple(sorted(shapes.items())))
+    if key not in _CACHE:
+        with no_dispatch_modes():
+            real = [(_real_like(a, shape=shapes.get(i)) if isinstance(a, torch.Tensor) else a)
+                    for i, a in enumerate(args)]
+            _CACHE[key] = _in_op_scratch(lambda: op(*real))
+    return _CACHE[key]
+
+
 def _batch_scaled_scratch(op: Any, args: tuple, batched: tuple[int, ...]) -> int:
     """Scratch of ``op(*args)`` at the batch of ``args[batched[0]]``, from real runs at
     :data:`_SCRATCH_BATCHES` extrapolated linearly (cached per signature)."""
     batch = args[batched[0]].shape[0]
 
-    def signature(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return (tuple(value.shape[1:]), value.dtype, value.stride()[1:] if value.dim() else ())
-        return tuple(value) if isinstance(value, list) else value
-
-    key = (op, tuple(signature(a) for a in args))
-
     def measured(at: int) -> int:
-        if (key, at) not in _CACHE:
-            with no_dispatch_modes():
-                real = [(_real_like(a, at if i in batched else None)
-                         if isinstance(a, torch.Tensor) else a) for i, a in enumerate(args)]
-                _CACHE[(key, at)] = _in_op_scratch(lambda: op(*real))
-        return _CACHE[(key, at)]
+        return _measured_scratch(op, args, {i: (at, *args[i].shape[1:]) for i in batched})
 
     small, large = _SCRATCH_BATCHES
     if batch <= large:
@@ -201,25 +210,64 @@ def _convolution_backward_scratch(args: tuple) -> int:
     return _batch_scaled_scratch(torch.ops.aten.convolution_backward.default, args, (0, 1))
 
 
-def _bf16_matmul_scratch(a: torch.Tensor, b: torch.Tensor, batches: int) -> int:
-    """oneDNN's bf16 matmul accumulates one output matrix in fp32 inside the kernel
-    (measured: M*N*4 bytes for mm/addmm, and per batch item, so once, for bmm)."""
-    if a.dtype is not torch.bfloat16 or b.dtype is not torch.bfloat16:
+#: A 16-bit matmul with at most this many multiply-adds is measured at its own shape.
+_MATMUL_EXACT_MACS = 1 << 30
+#: A larger one is measured with every matrix dimension cut to this, and at most 2 matrices.
+_MATMUL_DIM_CAP = 1024
+
+
+def _matmul_scratch(op: Any, args: tuple, a_index: int) -> int:
+    """What a bf16 or fp16 CPU matmul allocates inside the kernel, measured on this CPU.
+
+    It depends on the instruction set oneDNN finds. Without native bf16 (no
+    ``avx512_bf16``) a bf16 matmul accumulates into an fp32 buffer of the output's size:
+    M*N*4 bytes, measured on the machine batchfit's earlier fixed formula came from. With
+    native bf16 (a Xeon with ``avx512_bf16``, where this was written; AMD EPYCs with it
+    failed the same test) oneDNN's brgemm kernels need only packing buffers:
+    they grow with M up to one block of rows (256 here) and then stay flat, e.g. 68-198
+    KiB for (M x 256) @ (256 x 1024) at M = 2..8192 on 2 threads, 99 KiB on one; an fp16
+    matmul takes yet other kernels (788 KiB at 1024 x 256 x 1024). A fixed formula is
+    wrong on one kind of CPU or the other (the bf16 MLP of tests/answers/
+    test_accuracy_small.py was +4.6% here with M*N*4), so each distinct matmul runs for
+    real under the profiler's allocator events, in the layout it has in the trace (a
+    transposed operand stays transposed): at its own shape up to
+    :data:`_MATMUL_EXACT_MACS` multiply-adds (a millisecond or two), else with M, K and N
+    cut to :data:`_MATMUL_DIM_CAP` and the batch of a ``bmm`` to 2. A cut measurement
+    that holds an output-sized fp32 buffer (at least 0.9 * M * N * 4 bytes) is scaled
+    to the real output; a smaller one is a packing buffer and is taken as it is (flat
+    beyond one block). The buffers are per matmul, not per matrix of a batch: a ``bmm``
+    of 2 or 64 matrices measured the same (42 KiB here).
+    """
+    a, b = args[a_index], args[a_index + 1]
+    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype is not a.dtype:
         return 0
-    del batches  # bmm reuses one matrix's buffer across the batch
-    return a.shape[-2] * b.shape[-1] * 4
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    count = a.shape[0] if a.dim() == 3 else 1
+    if count * m * k * n <= _MATMUL_EXACT_MACS:
+        return _measured_scratch(op, args, {})
+    cap = _MATMUL_DIM_CAP
+    mc, kc, nc = min(m, cap), min(k, cap), min(n, cap)
+    lead = (min(count, 2),) if a.dim() == 3 else ()
+    shapes = {a_index: (*lead, mc, kc), a_index + 1: (*lead, kc, nc)}
+    if a_index == 1 and isinstance(args[0], torch.Tensor):  # addmm's bias: (N,) or (M, N)
+        bias = args[0]
+        shapes[0] = (nc,) if bias.dim() == 1 else (mc if bias.shape[0] == m else 1, nc)
+    measured = _measured_scratch(op, args, shapes)
+    if measured >= 0.9 * mc * nc * 4:
+        return round(measured * (m * n) / (mc * nc))
+    return measured
 
 
 @register_scratch(torch.ops.aten.mm.default)
 def _mm_scratch(args: tuple) -> int:
-    return _bf16_matmul_scratch(args[0], args[1], 1)
+    return _matmul_scratch(torch.ops.aten.mm.default, args, 0)
 
 
 @register_scratch(torch.ops.aten.addmm.default)
 def _addmm_scratch(args: tuple) -> int:
-    return _bf16_matmul_scratch(args[1], args[2], 1)
+    return _matmul_scratch(torch.ops.aten.addmm.default, args, 1)
 
 
 @register_scratch(torch.ops.aten.bmm.default)
 def _bmm_scratch(args: tuple) -> int:
-    return _bf16_matmul_scratch(args[0], args[1], args[0].shape[0])
+    return _matmul_scratch(torch.ops.aten.bmm.default, args, 0)

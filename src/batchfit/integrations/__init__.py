@@ -6,6 +6,9 @@
   Lightning's ``BatchSizeFinder`` (needs ``lightning``).
 * :func:`batchfit.integrations.huggingface.find_trainer_batch_size`: sets a Hugging Face
   ``Trainer``'s batch sizes before ``train()`` (needs ``transformers``).
+* :class:`batchfit.integrations.lightning.NoiseScaleLogger` and
+  :class:`batchfit.integrations.huggingface.NoiseScaleCallback`: log the gradient noise scale
+  during training (see :mod:`batchfit.stats`).
 
 Importing this package imports neither Lightning nor transformers (nor torch, until a name
 below is used).

@@ -48,6 +48,11 @@ from batchfit.integrations._trials import (
 )
 from batchfit.realrun.state import StateSnapshot
 
+try:  # the noise-scale callback's base; without transformers there is no Trainer to use
+    from transformers import TrainerCallback
+except ImportError:  # pragma: no cover - depends on the environment
+    TrainerCallback = object  # type: ignore[assignment,misc]
+
 _MISSING = object()
 
 
@@ -265,3 +270,113 @@ def _predict(trainer: Any, trial: _TrainTrial, target: tuple[Any, int | None],
     config = TrainConfig(precision=precision, checkpointing=checkpointing,
                          **optimizer_options(trainer.optimizer))
     return predict(trainer.model, structure[0], config, target, limit, who)
+
+
+class NoiseScaleCallback(TrainerCallback):
+    """Log the gradient noise scale ``B_simple`` (and its parts) while ``trainer.train()`` runs.
+
+    ``trainer.add_callback(NoiseScaleCallback(trainer))``. It reads the gradients training
+    computes anyway (see :class:`batchfit.stats.NoiseScaleMonitor`): each accumulated
+    micro-batch's gradient on each rank (before DDP's all-reduce) is a small batch, their
+    average the big one, read at the end of the last backward, before the Trainer unscales
+    and clips it (the Trainer clips before any callback event, so the hooks, not an event,
+    read it). The fp16 GradScaler's scale and the Trainer's division of the loss by the
+    accumulation steps are undone. It needs two or more gradients per optimizer step:
+    ``gradient_accumulation_steps >= 2`` (halve ``per_device_train_batch_size`` to keep the
+    same update) or several DDP processes.
+
+    Every ``logging_steps`` it logs ``noise/b_simple``, ``noise/grad_sq_norm``,
+    ``noise/trace_sigma`` and the interval's ends with ``trainer.log`` (so every reporting
+    integration gets them); :attr:`result` holds the whole-run estimate after training.
+
+    Args:
+        trainer: the ``transformers.Trainer`` (its model, accelerator and arguments).
+        every: measure one optimizer step in ``every``.
+        ema_decay: decay per measured step of each part's moving average (None: plain mean).
+        prefix: of the logged names.
+
+    Raises:
+        InvalidInputError: at ``train()`` start: one gradient per step, or DeepSpeed / FSDP
+            (sharded gradients).
+
+    Example:
+        >>> import contextlib, io, tempfile, torch
+        >>> from transformers import Trainer, TrainingArguments
+        >>> class Reg(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layer = torch.nn.Linear(8, 1)
+        ...     def forward(self, x, y):
+        ...         return {"loss": torch.nn.functional.mse_loss(self.layer(x), y)}
+        >>> data = [{"x": torch.randn(8), "y": torch.randn(1)} for _ in range(256)]
+        >>> args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=8,
+        ...                          gradient_accumulation_steps=4, max_steps=6,
+        ...                          report_to=[], use_cpu=True, save_strategy="no",
+        ...                          disable_tqdm=True)
+        >>> with contextlib.redirect_stdout(io.StringIO()):  # the Trainer's own printing
+        ...     trainer = Trainer(Reg(), args, train_dataset=data)
+        ...     noise = NoiseScaleCallback(trainer)
+        ...     trainer.add_callback(noise)
+        ...     _ = trainer.train()
+        >>> noise.result.steps, noise.result.batch_small, noise.result.batch_big
+        (6, 8, 32)
+    """
+
+    def __init__(self, trainer: Any, *, every: int = 1, ema_decay: float | None = 0.99,
+                 prefix: str = "noise/") -> None:
+        from batchfit.stats.estimator import check_ema_decay
+
+        check_positive_int(every, "every")
+        check_ema_decay(ema_decay)
+        self.trainer = trainer
+        self.every = every
+        self.ema_decay = ema_decay
+        self.prefix = prefix
+        self.monitor: Any = None
+        self.result: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from batchfit.stats.monitor import NoiseScaleMonitor
+
+        trainer = self.trainer
+        if getattr(trainer, "is_deepspeed_enabled", False) or getattr(
+                trainer, "is_fsdp_enabled", False):
+            raise InvalidInputError(
+                "DeepSpeed and FSDP shard the gradients across ranks: the noise scale needs "
+                "each micro-batch's whole gradient (use DDP or one device)")
+        world = max(1, int(getattr(args, "world_size", 1)))
+        if args.gradient_accumulation_steps * world < 2:
+            raise InvalidInputError(
+                "NoiseScaleCallback needs two or more gradients per optimizer step: set "
+                "gradient_accumulation_steps=2 (and halve per_device_train_batch_size), or "
+                "train on several processes with DDP")
+        group = None
+        if world > 1:
+            import torch.distributed as dist
+
+            group = dist.group.WORLD if dist.is_initialized() else None
+
+        def accumulation_steps() -> int:
+            return getattr(trainer, "current_gradient_accumulation_steps", None) or \
+                args.gradient_accumulation_steps
+
+        self.monitor = NoiseScaleMonitor(
+            trainer.model, every=self.every, ema_decay=self.ema_decay,
+            grad_scaler=getattr(trainer.accelerator, "scaler", None),
+            accumulation_steps=accumulation_steps, process_group=group)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.monitor is None:
+            return
+        self.monitor.step()
+        period = getattr(state, "logging_steps", None) or args.logging_steps
+        if period and state.global_step % period == 0:
+            metrics = {self.prefix + k: v for k, v in self.monitor.metrics().items()}
+            if metrics:
+                self.trainer.log(metrics)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.monitor is not None:
+            self.result = self.monitor.result()
+            self.monitor.close()
+            self.monitor = None

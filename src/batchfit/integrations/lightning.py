@@ -330,3 +330,120 @@ class _TrainerState:
         trainer.should_stop = self.should_stop
         trainer._logger_connector.reset_results()  # the trials' logged values
         trainer._logger_connector.reset_metrics()
+
+
+class NoiseScaleLogger(Callback):
+    """Log the gradient noise scale ``B_simple`` (and its parts) while ``trainer.fit`` runs.
+
+    It reads the gradients the fit computes anyway (see
+    :class:`batchfit.stats.NoiseScaleMonitor`): each accumulated micro-batch's gradient on
+    each rank (before DDP's all-reduce) is a small batch, their average the big one, read
+    before the precision plugin unscales and clips it; the GradScaler's scale and Lightning's
+    division of the loss by ``accumulate_grad_batches`` are undone. So it needs two or more
+    gradients per optimizer step: ``Trainer(accumulate_grad_batches=2)`` (halve the
+    dataloader's batch size to keep the same update), or DDP over several devices.
+
+    Every ``log_every_n_steps`` optimizer steps (the trainer's unless given) it logs
+    ``noise/b_simple``, ``noise/grad_sq_norm``, ``noise/trace_sigma`` and the interval's
+    ends through the module's loggers; :attr:`result` holds the whole-run estimate after
+    the fit.
+
+    Args:
+        every: measure one optimizer step in ``every``.
+        ema_decay: decay per measured step of each part's moving average (None: a plain
+            mean over the run).
+        log_every_n_steps: logging period in optimizer steps (default: the trainer's).
+        prefix: of the logged names.
+
+    Attributes:
+        monitor: the :class:`~batchfit.stats.NoiseScaleMonitor` during the fit.
+        result: the :class:`~batchfit.stats.NoiseScale` at the end of the fit.
+
+    Raises:
+        InvalidInputError: at ``fit`` start: one gradient per step (no accumulation, one
+            device), manual optimization, or sharded gradients (FSDP, DeepSpeed).
+
+    Example:
+        >>> import torch, lightning.pytorch as pl
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> class Net(pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layer = torch.nn.Linear(8, 1)
+        ...     def training_step(self, batch, batch_idx):
+        ...         return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.01)
+        >>> data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+        >>> noise = NoiseScaleLogger()
+        >>> trainer = pl.Trainer(max_steps=10, accumulate_grad_batches=4, callbacks=[noise],
+        ...                      logger=False, enable_checkpointing=False,
+        ...                      enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(Net(), DataLoader(data, batch_size=8))
+        >>> noise.result.steps, noise.result.batch_small, noise.result.batch_big
+        (10, 8, 32)
+    """
+
+    def __init__(self, *, every: int = 1, ema_decay: float | None = 0.99,
+                 log_every_n_steps: int | None = None, prefix: str = "noise/") -> None:
+        from batchfit.stats.estimator import check_ema_decay
+
+        check_positive_int(every, "every")
+        if log_every_n_steps is not None:
+            check_positive_int(log_every_n_steps, "log_every_n_steps")
+        check_ema_decay(ema_decay)
+        self.every = every
+        self.ema_decay = ema_decay
+        self.log_every_n_steps = log_every_n_steps
+        self.prefix = prefix
+        self.monitor: Any = None
+        self.result: Any = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from batchfit.stats.monitor import NoiseScaleMonitor
+
+        if not pl_module.automatic_optimization:
+            raise InvalidInputError(
+                "NoiseScaleLogger follows Lightning's automatic optimization; with manual "
+                "optimization use batchfit.stats.NoiseScaleMonitor in training_step")
+        steps = trainer.accumulate_grad_batches
+        if steps * trainer.world_size < 2:
+            raise InvalidInputError(
+                "NoiseScaleLogger needs two or more gradients per optimizer step: use "
+                "Trainer(accumulate_grad_batches=2) with half the batch size, or DDP over "
+                "several devices")
+        self.monitor = NoiseScaleMonitor(
+            trainer.strategy.model or pl_module, every=self.every, ema_decay=self.ema_decay,
+            grad_scaler=getattr(trainer.precision_plugin, "scaler", None),
+            accumulation_steps=lambda: trainer.accumulate_grad_batches)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        from lightning.pytorch.utilities.data import extract_batch_size
+
+        if self.monitor is not None:
+            self.monitor.set_batch_size(extract_batch_size(batch))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: Any) -> None:
+        if self.monitor is None:
+            return
+        self.monitor.step()
+        period = self.log_every_n_steps or trainer.log_every_n_steps
+        if (trainer.global_step + 1) % period == 0 and trainer.loggers:
+            metrics = {self.prefix + k: v for k, v in self.monitor.metrics().items()}
+            if metrics:
+                pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.monitor is not None:
+            self.result = self.monitor.result()
+            self.monitor.close()
+            self.monitor = None
