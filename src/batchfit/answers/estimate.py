@@ -145,7 +145,7 @@ def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) 
     if trace.first_events is trace.steady_events:
         first_peak: int | None = steady.peak_reserved_bytes + overhead
     elif first_step:
-        first_peak = needed_bytes(trace.first_events, device) + overhead
+        first_peak = needed_bytes(trace.first_events, device, loop=False) + overhead
     else:
         first_peak = None
     warnings = tuple(

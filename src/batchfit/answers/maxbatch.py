@@ -214,7 +214,7 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
     at_max = estimates[answer]
     if at_max.first_step_peak_bytes is None:  # the solver's traces skip the first step
         at_max = replace(at_max, first_step_peak_bytes=profile.context_bytes + needed_bytes(
-            traces[answer].first_events, profile))
+            traces[answer].first_events, profile, loop=False))
     at_next = estimates.get(answer + 1)
     return MaxBatchResult(
         max_batch_size=answer, budget_bytes=budget, memory_bytes=memory, margin=margin,
