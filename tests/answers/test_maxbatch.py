@@ -114,6 +114,23 @@ def test_native_depthwise_int32_limit_binds_before_memory():
     assert "DepthwiseConv2d.cu" in result.note
 
 
+def test_reflection_padding_int32_limit_binds_before_memory():
+    # timm's BlurPool2d pads with F.pad(mode="reflect"): ReflectionPad.cu's
+    # reflection_pad2d_out_template checks canUse32BitIndexMath(input). One sample is
+    # 64 * 256 * 256 = 2**22 elements, so B <= (2**31 - 2) // 2**22 = 511, whatever the
+    # padded output's size; memory (16 MiB in, 16.25 MiB out per sample) allows ~2,500.
+    def blur_pad():
+        return nn.Sequential(nn.ReflectionPad2d(1))
+
+    gpu = DeviceProfile.cuda(80 << 30, (8, 0))
+    result = max_batch_size(blur_pad, (64, 256, 256), device=gpu, mode="infer",
+                            stack="torch2.4+cu124")
+    assert result.binding_constraint is Constraint.INT32_INDEXING
+    assert result.max_batch_size == 511
+    assert "reflection padding" in result.note and "aten.reflection_pad2d" in result.note
+    assert "ReflectionPad.cu" in result.note
+
+
 def test_large_tensors_that_kernels_split_do_not_bind():
     # Nearest upsampling (size_t indices in UpSampleNearest2d.cu) and ReLU (TensorIterator
     # splits into 32-bit pieces) take tensors beyond 2**31 elements (from B = 43), so this

@@ -145,3 +145,35 @@ def test_index_extent_counts_the_largest_offset():
     # a strided slice: numel 3, offsets 0, 10, 20 -> extent 21
     s = torch.empty(30, device="meta")[::10]
     assert index_extent(s) == 21
+
+
+def test_reflection_pad_checks_its_input_not_its_output():
+    # ReflectionPad.cu, reflection_pad2d_out_template: TORCH_CHECK(canUse32BitIndexMath(input_)).
+    # 511 samples of 64 x 256 x 256 = 511 * 2**22 = 2,143,289,344 elements: accepted, although
+    # the padded output (511 x 64 x 258 x 258 = 2,176,909,056) passes 2**31 - 1.
+    x = tensor(511, 64, 256, 256, dtype=F32)
+    out = tensor(511, 64, 258, 258, dtype=F32)
+    found = check_op("aten.reflection_pad2d.default", (x, [1, 1, 1, 1]), [out], TORCH_24)
+    assert found.measure == 511 * 2**22 and not found.exceeded
+    assert "ReflectionPad.cu" in found.source
+    # 512 samples: 2**31 elements, refused
+    x = tensor(512, 64, 256, 256, dtype=F32)
+    assert check_op("aten.reflection_pad2d.default", (x, [1, 1, 1, 1]), [], TORCH_24).exceeded
+
+
+def test_reflection_pad_backward_checks_grad_output_too():
+    # reflection_pad2d_backward_out_template checks input and grad_output: the padded
+    # grad_output of 505 samples is 505 * 64 * 258**2 = 2,151,348,480 > 2**31 - 1 while the
+    # input (505 * 2**22 = 2,118,123,520) is below.
+    grad_out = tensor(505, 64, 258, 258, dtype=F32)
+    x = tensor(505, 64, 256, 256, dtype=F32)
+    found = check_op("aten.reflection_pad2d_backward.default", (grad_out, x, [1, 1, 1, 1]),
+                     [x], TORCH_24)
+    assert found.measure == 505 * 64 * 258 * 258 and found.exceeded
+    assert found.kernel == "reflection padding backward"
+
+
+def test_3d_reflection_padding_has_no_rule():
+    # reflection_pad3d_out_kernel takes PackedTensorAccessor64 (64-bit indices)
+    x = tensor(512, 64, 16, 256, 256, dtype=F32)
+    assert check_op("aten.reflection_pad3d.default", (x, [1] * 6), [], TORCH_24) is None

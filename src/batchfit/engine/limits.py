@@ -22,6 +22,11 @@ each traced op with the stack that will run it (:mod:`batchfit.engine.stack`):
   channels-last ones on cuDNN 9.10-9.14, whose 64-bit depthwise kernels were broken and
   are sent back to the native kernel (#163171; re-enabled for cuDNN 9.15 in torch 2.10,
   #168364).
+* **Reflection padding** (``F.pad(mode="reflect")``, as in timm's BlurPool2d):
+  aten/src/ATen/native/cuda/ReflectionPad.cu checks ``canUse32BitIndexMath(input)`` in
+  the 1-D and 2-D forward kernels ("input tensor must fit into 32-bit index math"), and
+  the input and grad_output in their backward; the output is not checked. The 3-D
+  kernels index with 64-bit accessors and have no rule.
 * **Fused attention grids** (recorded by :mod:`batchfit.engine.cuda_emulation`): flash
   attention launches ``(query blocks, batch, heads)`` and memory-efficient attention
   ``(query blocks, heads, batch)``; CUDA caps grid y and z at 65,535
@@ -234,11 +239,37 @@ def _convolution_backward(args: tuple, outputs: list[torch.Tensor], stack: Any
                        "conv_depthwise2d_grad_weight_out)", source=_DEPTHWISE_SOURCE)
 
 
+_REFLECTION_PAD_SOURCE = ("aten/src/ATen/native/cuda/ReflectionPad.cu: reflection_pad1d_out_cuda, "
+                          "reflection_pad2d_out_template: TORCH_CHECK(canUse32BitIndexMath(input), "
+                          "\"input tensor must fit into 32-bit index math\"); the backward also "
+                          "checks grad_output")
+
+
+def _reflection_pad(op: str) -> Callable[[tuple, list[torch.Tensor], Any], KernelLimit | None]:
+    """``F.pad(mode="reflect")`` (timm's BlurPool2d anti-aliasing): the forward kernel checks
+    its input only (the output may pass 2^31 - 1 elements); the backward checks the input
+    and grad_output (args: ``(grad_output, input, padding)``)."""
+    backward = op.endswith("_backward.default")
+
+    def rule(args: tuple, outputs: list[torch.Tensor], stack: Any) -> KernelLimit | None:
+        tensors = (args[0], args[1]) if backward else (args[0],)
+        return KernelLimit(LimitKind.INT32_INDEXING, max(index_extent(t) for t in tensors),
+                           INT32_MAX - 1, op,
+                           "reflection padding" + (" backward" if backward else ""),
+                           source=_REFLECTION_PAD_SOURCE)
+
+    return rule
+
+
 #: Rules by aten op: ``rule(args, outputs, stack) -> KernelLimit | None``. ``canUse32BitIndexMath``
 #: fails at ``>= INT32_MAX``, so the largest accepted measure is INT32_MAX - 1.
 RULES: dict[str, Callable[[tuple, list[torch.Tensor], Any], KernelLimit | None]] = {
     "aten.convolution.default": _convolution,
     "aten.convolution_backward.default": _convolution_backward,
+    # reflection_pad3d indexes with PackedTensorAccessor64: no rule
+    **{op: _reflection_pad(op) for op in (
+        "aten.reflection_pad1d.default", "aten.reflection_pad2d.default",
+        "aten.reflection_pad1d_backward.default", "aten.reflection_pad2d_backward.default")},
 }
 
 
