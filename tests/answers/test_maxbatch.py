@@ -131,6 +131,20 @@ def test_reflection_padding_int32_limit_binds_before_memory():
     assert "ReflectionPad.cu" in result.note
 
 
+@pytest.mark.parametrize("pool", [nn.AvgPool2d, nn.MaxPool2d])
+def test_pooling_output_count_binds_before_memory(pool):
+    # AveragePool2d.cu / DilatedMaxPool2d.cu narrow output.numel() to a 32-bit int
+    # (safe_downcast, inclusive): 2x2 pooling of 64 x 256 x 256 outputs 2**20 elements per
+    # sample, so B <= (2**31 - 1) // 2**20 = 2047. Memory (16 MiB in, 4 MiB out, 8 MiB of
+    # int64 indices for max pooling, per sample) would allow about 2,900 samples.
+    gpu = DeviceProfile.cuda(80 << 30, (8, 0))
+    result = max_batch_size(lambda: nn.Sequential(pool(2)), (64, 256, 256), device=gpu,
+                            mode="infer", stack="torch2.4+cu124")
+    assert result.binding_constraint is Constraint.INT32_INDEXING
+    assert result.max_batch_size == 2047
+    assert "safe_downcast" in result.note and "2,147,483,648" in result.note
+
+
 def test_large_tensors_that_kernels_split_do_not_bind():
     # Nearest upsampling (size_t indices in UpSampleNearest2d.cu) and ReLU (TensorIterator
     # splits into 32-bit pieces) take tensors beyond 2**31 elements (from B = 43), so this

@@ -177,3 +177,17 @@ def test_3d_reflection_padding_has_no_rule():
     # reflection_pad3d_out_kernel takes PackedTensorAccessor64 (64-bit indices)
     x = tensor(512, 64, 16, 256, 256, dtype=F32)
     assert check_op("aten.reflection_pad3d.default", (x, [1] * 6), [], TORCH_24) is None
+
+
+@pytest.mark.parametrize("op", ["aten.avg_pool2d.default", "aten.max_pool2d_with_indices.default"])
+def test_pooling_forward_narrows_its_output_count_to_int32(op):
+    # AveragePool2d.cu: safe_downcast<int32_t, int64_t>(output.numel()); DilatedMaxPool2d.cu:
+    # safe_downcast<int, int64_t>(output.numel()). safe_downcast accepts v <= INT32_MAX.
+    # 2x2 pooling of 64 x 256 x 256 gives 64 x 128 x 128 = 2**20 elements per sample:
+    # 2047 samples = 2,146,435,072 pass, 2048 = 2**31 do not (the input, 2**33, is not counted).
+    for batch, refused in ((2047, False), (2048, True)):
+        x = tensor(batch, 64, 256, 256)
+        out = tensor(batch, 64, 128, 128)
+        found = check_op(op, (x, [2, 2], [2, 2]), [out], TORCH_24)
+        assert found.measure == batch * 2**20 and found.limit == INT32_MAX
+        assert found.exceeded is refused

@@ -27,6 +27,10 @@ each traced op with the stack that will run it (:mod:`batchfit.engine.stack`):
   the 1-D and 2-D forward kernels ("input tensor must fit into 32-bit index math"), and
   the input and grad_output in their backward; the output is not checked. The 3-D
   kernels index with 64-bit accessors and have no rule.
+* **2-D pooling forward** (aten/src/ATen/native/cuda/AveragePool2d.cu and
+  DilatedMaxPool2d.cu): ``safe_downcast<int32_t, int64_t>(output.numel())`` raises
+  "integer out of range" when the output has more than 2^31 - 1 elements (the limit is
+  inclusive); the backward kernels count in 64 bits.
 * **Fused attention grids** (recorded by :mod:`batchfit.engine.cuda_emulation`): flash
   attention launches ``(query blocks, batch, heads)`` and memory-efficient attention
   ``(query blocks, heads, batch)``; CUDA caps grid y and z at 65,535
@@ -261,6 +265,33 @@ def _reflection_pad(op: str) -> Callable[[tuple, list[torch.Tensor], Any], Kerne
     return rule
 
 
+_POOL_SOURCES = {
+    "aten.avg_pool2d.default": ("avg_pool2d (avg_pool2d_out_cuda_frame)",
+                                "aten/src/ATen/native/cuda/AveragePool2d.cu, avg_pool2d_out_cuda: "
+                                "const auto count = safe_downcast<int32_t, int64_t>(output.numel())"),
+    "aten.max_pool2d_with_indices.default": (
+        "max_pool2d (max_pool_forward_nchw / _nhwc)",
+        "aten/src/ATen/native/cuda/DilatedMaxPool2d.cu, max_pool2d_with_indices_out_cuda: "
+        "const int count = safe_downcast<int, int64_t>(output.numel())"),
+}
+
+
+def _pool_forward(op: str) -> Callable[[tuple, list[torch.Tensor], Any], KernelLimit | None]:
+    """2-D average and max pooling forward: the output's element count is narrowed to a
+    32-bit int with ``safe_downcast``, which raises "integer out of range" above
+    2^31 - 1 (in either memory format; both backward kernels count in 64 bits in
+    current torch)."""
+    kernel, source = _POOL_SOURCES[op]
+
+    def rule(args: tuple, outputs: list[torch.Tensor], stack: Any) -> KernelLimit | None:
+        if not outputs:
+            return None
+        return KernelLimit(LimitKind.INT32_INDEXING, outputs[0].numel(), INT32_MAX, op, kernel,
+                           source=source)
+
+    return rule
+
+
 #: Rules by aten op: ``rule(args, outputs, stack) -> KernelLimit | None``. ``canUse32BitIndexMath``
 #: fails at ``>= INT32_MAX``, so the largest accepted measure is INT32_MAX - 1.
 RULES: dict[str, Callable[[tuple, list[torch.Tensor], Any], KernelLimit | None]] = {
@@ -270,6 +301,7 @@ RULES: dict[str, Callable[[tuple, list[torch.Tensor], Any], KernelLimit | None]]
     **{op: _reflection_pad(op) for op in (
         "aten.reflection_pad1d.default", "aten.reflection_pad2d.default",
         "aten.reflection_pad1d_backward.default", "aten.reflection_pad2d_backward.default")},
+    **{op: _pool_forward(op) for op in _POOL_SOURCES},
 }
 
 
