@@ -305,6 +305,11 @@ BAD = [
     (["max", "timm:resnet18", "--gpu", "T4", "--torch-version", "new"], 2, "malformed --torch-version"),
     (["max", "timm:resnet18", "--gpu", "T4", "--cuda-version", "11.4"], 2, "unknown --cuda-version"),
     (["estimate", "timm:resnet18", "-b", "2", "--stack", "2.4"], 2, "malformed --stack"),
+    # CUDA 11.3 has no lazy module loading: a 1,343 MiB context + 2 x 8.125 MiB (T4)
+    (["max", "timm:resnet18", "--gpu", "T4", "--memory", "1GiB", "--stack", "torch1.12+cu113"],
+     2, "below the 1,425,276,928 B"),
+    (["estimate", "timm:resnet18", "-b", "2", "--gpu", "T4", "--memory", "1GiB",
+      "--cuda-version", "11.3", "--torch-version", "1.12"], 2, "below the 1,425,276,928 B"),
     (["estimate", "timm:resnet18", "-b", "2", "--stack", "torch2.4+cu124",
       "--torch-version", "2.4"], 2, "not both"),
 ]

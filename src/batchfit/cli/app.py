@@ -213,6 +213,8 @@ def estimate_cmd(
                 "estimate --memory goes with --gpu NAME, as that card's memory; an estimate "
                 "on --device uses the device as it is (max --memory sets a budget)")
         profile, _ = _resolve_device(gpu, device, memory, overhead, need_budget=False)
+        if "stack" in settings:
+            profile.for_stack(settings["stack"])
         with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                           checkpointing, channels_last, model_kwargs, **settings)
@@ -264,6 +266,8 @@ def max_cmd(
         _check_plot(plot)
         settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark)
         profile, memory_bytes = _resolve_device(gpu, device, memory, overhead, need_budget=True)
+        if "stack" in settings:  # the stack's context must leave room (checked before tracing)
+            profile.for_stack(settings["stack"])
         if not profile.is_cuda and memory_bytes is None:
             raise InvalidInputError("--device cpu needs --memory SIZE as the budget")
         with _progress(not as_json, f"resolving {model}...") as status:

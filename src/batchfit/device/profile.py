@@ -117,11 +117,19 @@ class DeviceProfile:
 
     def for_stack(self, stack: Any) -> "DeviceProfile":
         """This profile with the CUDA context of ``stack`` (a
-        :class:`~batchfit.engine.stack.Stack`), unless the context was set explicitly."""
+        :class:`~batchfit.engine.stack.Stack`), unless the context was set explicitly.
+
+        Raises:
+            MemoryBelowOverheadError: the stack's context and the workspaces fill the memory.
+        """
         if not (self.is_cuda and self.context_from_stack):
             return self
         context = stack.context_bytes()
-        return self if context == self.context_bytes else replace(self, context_bytes=context)
+        if context == self.context_bytes:
+            return self
+        profile = replace(self, context_bytes=context)
+        _check_room_for_overheads(profile)  # e.g. --memory 1GiB with an eager-loading CUDA 11
+        return profile
 
     def to_dict(self) -> dict[str, Any]:
         return {
