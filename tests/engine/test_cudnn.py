@@ -74,3 +74,20 @@ def test_trace_allocates_the_workspace_at_the_convolution():
     assert found[0].nbytes == 2 * 3_211_264 and found[0].module == "0"
     assert not [e for e in trace_step(conv, (64, 56, 56), 8, off, device).steady_events
                 if e.op.startswith("cudnn workspace")]
+
+
+def test_only_convolutions_get_a_workspace_in_a_training_step_with_other_limited_ops():
+    # Pooling and reflection padding have kernel-limit rules too; in benchmark mode only the
+    # convolutions get a workspace (poolformer's AvgPool2d once crashed the trace here).
+    # Forward: 8*16*32*32*2 = 262,144 B in and out; backward: grad_output + input, the same.
+    def net():
+        return nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.AvgPool2d(3, 1, 1),
+                             nn.MaxPool2d(3, 1, 1), nn.ReflectionPad2d(1))
+
+    device = batchfit.DeviceProfile.cuda(24 << 30, (8, 6))
+    config = TrainConfig(mode="train", precision="amp-fp16", optimizer="sgd",
+                         cudnn_benchmark=True, stack="torch1.10+cu113")
+    found = [e for e in trace_step(net, (16, 32, 32), 8, config, device).steady_events
+             if e.op.startswith("cudnn workspace") and e.kind is EventKind.ALLOC]
+    assert [(e.op, e.nbytes) for e in found] == [
+        (f"cudnn workspace ({CONV})", 2 * 262_144), (f"cudnn workspace ({CONV_BACKWARD})", 2 * 262_144)]

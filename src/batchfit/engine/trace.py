@@ -34,6 +34,9 @@ from batchfit.engine.kernels import scratch_for, size_fix_for
 from batchfit.engine.limits import RULES as LIMIT_RULES
 from batchfit.engine.limits import KernelLimit, attention_grid, check_op, worst
 
+#: The ops a benchmarked cuDNN convolution's workspace is modelled for (engine/cudnn.py).
+_CONVOLUTIONS = frozenset({"aten.convolution.default", "aten.convolution_backward.default"})
+
 
 class Category(StrEnum):
     """What a byte of device memory is for."""
@@ -223,7 +226,7 @@ class Tracer:
             where = module if module is not None else self.current_module()
             self.kernel_limit = worst(self.kernel_limit, check_op(
                 name, args, outputs, self._stack, where))
-            if self._cudnn_benchmark is not None:
+            if self._cudnn_benchmark is not None and name in _CONVOLUTIONS:
                 self._add_cudnn_workspace(name, args, outputs, where)
         scratch = scratch_for(func) if self.in_op_scratch else None
         if scratch is not None and (nbytes := scratch(args)) > 0:
