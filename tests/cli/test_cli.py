@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -344,3 +346,54 @@ def test_debug_shows_the_traceback():
     result = invoke("max", "timm:resnet18", "--gpu", "RTX 3009", "--debug")
     assert result.exit_code != 0
     assert result.exception is not None
+
+
+def test_bench_cpu_without_memory_uses_available_memory_within_its_time_budget(factory_file):
+    # issue 14 items 2 and 3: no --memory on the CPU means the memory the machine has
+    # available (said on stderr and in the JSON); inference of a small MLP fits tens of
+    # thousands of samples there, and the time budget keeps the sweep short; one progress
+    # line per measurement on stderr in --json mode
+    import time
+
+    started = time.perf_counter()
+    result = invoke("bench", f"{factory_file}:mlp", "--input", "128", "--device", "cpu",
+                    "--mode", "infer", "--time-budget", "20s", "--json")
+    took = time.perf_counter() - started
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["memory_source"] == "available" and data["time_budget_s"] == 20
+    assert data["max_batch_size"] > 10_000
+    measured = [p for p in data["points"] if p["fits"]]
+    assert 1 <= len(measured) <= 8
+    assert data["elapsed_s"] <= 20 + 3  # a last point may overrun its predicted time a little
+    assert took < 60
+    assert "this machine has available" in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("bench: batch")]
+    assert len(lines) >= len(data["points"])  # each measurement (confirmations too), skips
+
+
+def test_bench_time_budget_zero_is_bad_input(factory_file):
+    result = invoke("bench", f"{factory_file}:mlp", "--input", "128", "--device", "cpu",
+                    "--time-budget", "0")
+    assert result.exit_code == 2
+    assert "must be positive" in result.output
+
+
+def test_library_deprecation_logs_stay_off_stderr(tmp_path):
+    # transformers imports torchao's quantizer with every model it builds; torchao then
+    # registers Enums as pytree constants, which torch logs as deprecated on stderr (a
+    # warning per Enum, outside Python's warnings). The CLI keeps that chatter out.
+    pytest.importorskip("torchao")
+    factory = tmp_path / "quantized_import.py"
+    factory.write_text(
+        "import transformers.quantizers.quantizer_torchao  # noqa: F401 (as hf: models do)\n"
+        "from torch import nn\n\n"
+        "def build():\n"
+        "    return nn.Linear(8, 8)\n")
+    done = subprocess.run(
+        [sys.executable, "-c", "from batchfit.cli import main; main()", "estimate",
+         f"{factory}:build", "--batch-size", "2", "--input", "8", "--json"],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "register_constant" not in done.stderr
+    json.loads(done.stdout)

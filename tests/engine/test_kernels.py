@@ -55,3 +55,25 @@ def test_large_bf16_matmul_is_measured_cut_and_holds_at_full_size() -> None:
 def test_fp32_matmul_has_no_scratch_entry() -> None:
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     assert kernels.scratch_for(torch.ops.aten.mm.default)((a, b)) == 0
+
+
+@pytest.mark.parametrize("pool", ["max", "avg"])
+@pytest.mark.parametrize("input_format", [torch.contiguous_format, torch.channels_last])
+def test_pooling_backward_scratch_matches_the_real_kernel(pool, input_format) -> None:
+    # a gradient in the other memory format than the input is copied inside the kernel;
+    # the prediction at batch 12 is extrapolated from real runs at batch 2 and 4
+    import torch.nn.functional as F
+
+    x = torch.randn(12, 16, 30, 30).contiguous(memory_format=input_format)
+    grad = torch.randn(12, 16, 15, 15)  # contiguous (NCHW) in both cases
+    if pool == "max":
+        _, indices = F.max_pool2d(x, 2, return_indices=True)
+        op = torch.ops.aten.max_pool2d_with_indices_backward.default
+        args = (grad, x, [2, 2], [2, 2], [0, 0], [1, 1], False, indices)
+    else:
+        op = torch.ops.aten.avg_pool2d_backward.default
+        args = (grad, x, [2, 2], [2, 2], [0, 0], False, True, None)
+    measured = real_scratch(op, *args)
+    assert kernels.scratch_for(op)(args) == pytest.approx(measured, rel=0.01, abs=4096)
+    if input_format is torch.channels_last:
+        assert measured >= x.numel() * 4  # the mismatched case copies at least the input

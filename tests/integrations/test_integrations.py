@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import batchfit
+import batchfit.realrun.search  # the attribute below needs the submodule loaded
 from batchfit.errors import DoesNotFitError, InvalidInputError
 from batchfit.integrations._trials import FoundBatchSize
 from batchfit.integrations.decorator import find_batch_size
@@ -480,3 +481,46 @@ def test_trainer_other_errors_propagate_and_state_is_restored(hf, tmp_path):
     with pytest.raises(InvalidInputError, match="eval_dataset"):
         trainer.eval_dataset = None
         find_trainer_batch_size(trainer, predicted=4, search_eval=True)
+
+
+def test_lightning_on_the_cpu_enforces_the_budget_and_reports_each_trial(pl, tmp_path, caplog):
+    """Issue 14 item 6: on the CPU, ``memory_bytes`` caps the trial fits (in-process
+    ``RLIMIT_DATA``), so a real CNN runs out of memory at its boundary and the search ends
+    in a few trials; each trial is one line (batch, fits or not, seconds)."""
+    import logging
+    import resource
+
+    from batchfit.integrations.lightning import BatchfitFinder
+
+    class CNN(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.batch_size = 8
+            self.net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+                                     nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                                     nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(0)
+            data = TensorDataset(torch.randn(4096, 3, 32, 32, generator=g),
+                                 torch.randint(0, 10, (4096,), generator=g))
+            return DataLoader(data, batch_size=self.batch_size)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    limit_before = resource.getrlimit(resource.RLIMIT_DATA)
+    finder = BatchfitFinder(memory_bytes=96 << 20, max_trials=10)
+    with caplog.at_level(logging.INFO):
+        fit(pl, CNN(), [finder], tmp_path, max_steps=1)
+    search = finder.search
+    assert search.confirmed, search.trials  # something ran out of memory: the cap held
+    assert len(search.trials) <= 8
+    assert any(not t.fits and "can't allocate memory" in (t.error or "") for t in search.trials)
+    lines = [r.getMessage() for r in caplog.records if "BatchfitFinder: batch" in r.getMessage()]
+    assert len(lines) == len(search.trials)
+    assert resource.getrlimit(resource.RLIMIT_DATA) == limit_before  # the cap is lifted

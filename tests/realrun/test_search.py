@@ -233,7 +233,8 @@ def _digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
 @pytest.mark.parametrize("predicted", [4 * TRUE_MAX, TRUE_MAX // 4])
 def test_prediction_four_times_off_still_finds_the_true_maximum(server, predicted):
     result = search_max_batch(Broadcast, (1,), device="cpu", memory_cap_bytes=CAP,
-                              optimizer="sgd", predicted=predicted, trial_server=server)
+                              optimizer="sgd", predicted=predicted, trial_server=server,
+                              boundary_runs=1)
     assert result.max_batch_size == TRUE_MAX
     assert len(result.trials) <= 6
     outcomes = {t.batch_size: t.fits for t in result.trials}
@@ -255,7 +256,7 @@ def test_search_from_the_analytic_prediction_leaves_the_user_state_untouched(ser
     random.seed(2)
     before = _digest(model, optimizer)
     result = search_max_batch(model, (1,), device="cpu", memory_cap_bytes=CAP,
-                              optimizer=optimizer, trial_server=server)
+                              optimizer=optimizer, trial_server=server, boundary_runs=1)
     assert _digest(model, optimizer) == before
     assert result.max_batch_size == TRUE_MAX
     # The trace predicts 12 MiB per sample and the budget is the state plus the cap: 8.
@@ -277,12 +278,48 @@ def test_a_large_answer_starts_on_the_predicted_line_and_takes_three_trials(serv
     # a tensor; 41 (123 MiB) cannot. The prediction's line (traced at 16 and 32) puts the
     # answer above 32, so the search starts at 16, on the line, and needs 16, 40, 41.
     result = search_max_batch(WideBroadcast, (1,), device="cpu", memory_cap_bytes=122 * MIB,
-                              optimizer="sgd", trial_server=server)
+                              optimizer="sgd", trial_server=server, boundary_runs=1)
     at_max = next(t for t in result.trials if t.batch_size == 40)
     assert at_max.used_bytes - (at_max.peak_bytes - at_max.baseline_bytes) < 2 * MIB
     assert result.max_batch_size == 40
     assert [(t.batch_size, t.fits) for t in result.trials] == [(16, True), (40, True),
                                                                (41, False)]
+
+
+def test_the_answer_fits_in_every_boundary_run_and_the_next_shows_its_spread(server):
+    # the default on the CPU: the answer and the batch above it each run in 3 fresh
+    # processes; on this deterministic (pinned, one-thread) device the spread is 3/3, 0/3
+    result = search_max_batch(Broadcast, (1,), device="cpu", memory_cap_bytes=CAP,
+                              optimizer="sgd", predicted=TRUE_MAX, trial_server=server)
+    assert result.max_batch_size == TRUE_MAX
+    assert result.boundary == ((TRUE_MAX, 3, 3), (TRUE_MAX + 1, 0, 3))
+    assert result.to_dict()["boundary"][1] == {"batch_size": TRUE_MAX + 1, "fits": 0, "runs": 3}
+
+
+def _fake_trial(batch_size: int, fits: bool):
+    from batchfit.realrun.trial import Trial
+
+    return Trial(batch_size, fits, None, 0.0)
+
+
+def test_settle_steps_down_from_a_flaky_answer_and_reports_the_spread():
+    from batchfit.realrun.search import _settle_boundary
+
+    # a heap-layout lottery: 12 fits in 1 run of 3, 11 in 2 of 3, 10 always, 13 never
+    plans = {10: [True] * 9, 11: [True, False, True], 12: [False, True, False],
+             13: [False] * 9}
+    served: dict[int, int] = {}
+
+    def run(batch_size: int):
+        index = served.get(batch_size, 0)
+        served[batch_size] = index + 1
+        return _fake_trial(batch_size, plans[batch_size][index])
+
+    # the search saw 11 fit once and 12 fail once
+    trials = [_fake_trial(11, True), _fake_trial(12, False)]
+    answer, boundary = _settle_boundary(11, trials, run, runs=3)
+    assert answer == 10
+    assert boundary == ((10, 3, 3), (11, 2, 3), (12, 1, 3))
 
 
 def test_nothing_fits_raises_does_not_fit(server):

@@ -247,9 +247,20 @@ def test_batches_above_the_maximum_are_refused_before_anything_runs():
     assert seen == []
 
 
-def test_cpu_needs_a_budget():
-    with pytest.raises(InvalidInputError, match="budget"):
-        bench(small_mlp, (32,), batches=[4], timing=FAST)
+def test_cpu_without_a_budget_uses_the_available_memory():
+    # issue 14 item 2: as a GPU defaults to its own memory, the CPU to what it has now
+    with open("/proc/meminfo") as meminfo:
+        fields = dict(line.split(":", 1) for line in meminfo)
+    total = int(fields["MemTotal"].split()[0]) * 1024
+    result = bench(small_mlp, (32,), batches=[4], timing=FAST)
+    assert result.memory_source == "available"
+    assert 0 < result.memory_bytes <= total
+    assert result.to_dict()["memory_source"] == "available"
+
+
+def test_time_budget_must_be_positive():
+    with pytest.raises(InvalidInputError, match="time budget"):
+        bench(small_mlp, (32,), batches=[4], timing=FAST, time_budget_s=0)
 
 
 def test_find_knee_rejects_empty_input():

@@ -184,7 +184,7 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         traced = trace_step(model, inputs, batch_size, config, profile, reuse)
         return traced, summarize(traced, profile, first_step=False)
 
-    pool = _trace_pool(trace, model, profile, reuse)
+    pool = _trace_pool(trace, model, profile, reuse, config)
 
     def prefetch(*batch_sizes: int) -> None:
         for batch_size, (traced, summary) in _trace_new(pool, batch_sizes, estimates,
@@ -227,11 +227,11 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
 
 
 def _trace_pool(trace: Callable[[int], Any], model: Any, profile: DeviceProfile,
-                reuse: TraceReuse) -> TracePool:
+                reuse: TraceReuse, config: TrainConfig) -> TracePool:
     """A pool that traces two at a time for CUDA targets; a factory's model is built on
     meta first, so the worker forked later inherits it instead of building its own."""
     if profile.is_cuda:
-        reuse.build_model(model)
+        reuse.build_model(model, config.precision.value)
     return TracePool(trace, allowed=profile.is_cuda)
 
 
@@ -413,7 +413,7 @@ def max_seq_len(model: Any, inputs: Any, batch_size: int, config: TrainConfig | 
         return estimate(model, with_seq_len(inputs, seq_len), batch_size, config,
                         device=profile, reuse=reuse)
 
-    pool = _trace_pool(trace, model, profile, reuse)
+    pool = _trace_pool(trace, model, profile, reuse, config)
 
     def prefetch(*lengths: int) -> None:
         totals.update(_trace_new(pool, lengths, totals, on_trace))

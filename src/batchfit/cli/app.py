@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import re
 import sys
@@ -23,6 +24,7 @@ from batchfit.engine.spec import (
     Mode,
     OptimizerName,
     Precision,
+    parse_duration,
     parse_enum,
     parse_shape,
     parse_size,
@@ -41,8 +43,10 @@ DeviceOpt = typer.Option(None, "--device", help="cpu, or cuda:N to read a live G
 InputOpt = typer.Option(None, "--input", help="per-sample input shape, e.g. 3x224x224")
 SeqOpt = typer.Option(None, "--seq-len", help="sequence length for token models")
 ModeOpt = typer.Option("train", "--mode", help="train or infer")
-OptimOpt = typer.Option("adamw", "--optimizer",
-                        help="sgd, momentum, nesterov, adam, adamw, adagrad, rmsprop, adafactor")
+OptimOpt = typer.Option(
+    None, "--optimizer",
+    help="sgd, momentum, nesterov, adam, adamw, adagrad, rmsprop, adafactor (default adamw; "
+         "a compiled Keras model: its own)")
 PrecOpt = typer.Option("fp32", "--precision", help="fp32, tf32, amp-fp16, amp-bf16, bf16, fp16")
 CkptOpt = typer.Option(False, "--checkpointing", help="activation checkpointing")
 ClOpt = typer.Option(False, "--channels-last", help="channels-last memory format")
@@ -147,15 +151,17 @@ def _stack_settings(stack: str | None, torch_version: str | None, cuda_version: 
     return settings
 
 
-def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str, optimizer: str,
-           precision: str, checkpointing: bool, channels_last: bool,
+def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str,
+           optimizer: str | None, precision: str, checkpointing: bool, channels_last: bool,
            model_kwargs: list[str] | None, **settings: Any) -> tuple[Any, Any, Any]:
+    from dataclasses import replace
+
     from batchfit.engine.spec import TrainConfig
     from batchfit.models.resolve import parse_model_kwargs, resolve_model
 
     config = TrainConfig(
         mode=parse_enum(Mode, mode, "mode"),
-        optimizer=parse_enum(OptimizerName, optimizer, "optimizer"),
+        optimizer=parse_enum(OptimizerName, optimizer or "adamw", "optimizer"),
         precision=parse_enum(Precision, precision, "precision"),
         checkpointing=checkpointing, channels_last=channels_last, **settings)
     if seq_len is not None and seq_len < 1:
@@ -165,12 +171,18 @@ def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str, 
                          seq_len=seq_len, input_shape=shape)
     if not gc.isenabled():  # main() turned it off for the imports, which are done now
         freeze_after_imports()
+    if spec.keras_compiled is False and optimizer is None:
+        raise InvalidInputError(
+            f"the Keras model of {model} is not compiled: compile it in the factory "
+            "(model.compile(optimizer=..., loss=...)) or give --optimizer NAME")
+    if spec.keras_compiled and optimizer is not None:  # the user's choice over the compiled one
+        from batchfit.engine.keras_step import with_optimizer
+
+        spec = replace(spec, factory=with_optimizer(spec.factory, config.optimizer))
     if spec.input_spec is None:
         raise InvalidInputError(
             f"{model} has no default input: give --input (per-sample shape, e.g. 3x224x224)")
     if spec.loss_fn is not None:
-        from dataclasses import replace
-
         config = replace(config, loss_fn=spec.loss_fn)
     return spec, spec.input_spec, config
 
@@ -195,7 +207,7 @@ def estimate_cmd(
         None, "--memory", help="with --gpu: the card's memory, e.g. 48GiB (its architecture, "
         "this much memory)"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
+    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: str = PrecOpt,
     checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
     stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
@@ -242,7 +254,7 @@ def max_cmd(
     memory: Optional[str] = typer.Option(
         None, "--memory", help="memory budget, e.g. 24GiB; with --gpu NAME, that card's memory"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
+    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: str = PrecOpt,
     checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
     margin: float = typer.Option(0.0, "--margin", help="fraction of memory kept free, e.g. 0.05"),
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
@@ -367,14 +379,19 @@ def search_cmd(
         None, "--memory-cap", help="CPU: bytes a trial may use beyond its warmed-up state; "
         "CUDA: the allocator's limit (what if my card were smaller)"),
     steps_per_trial: int = typer.Option(2, "--steps-per-trial", help="real steps per trial (>= 2)"),
+    boundary_runs: int = typer.Option(
+        3, "--boundary-runs",
+        help="CPU: fresh processes the answer must fit in (the batch above runs as often)"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
+    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: str = PrecOpt,
     checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
     model_kwargs: Optional[list[str]] = KwargsOpt,
     as_json: bool = JsonOpt, debug: bool = DebugOpt,
 ) -> None:
     """Find the exact largest batch on the real device, starting from the prediction."""
     with _errors(debug):
+        if boundary_runs < 1:
+            raise InvalidInputError(f"--boundary-runs must be at least 1, not {boundary_runs}")
         if steps_per_trial < 2:
             raise InvalidInputError(
                 f"--steps-per-trial must be at least 2 (the first step creates the optimizer "
@@ -407,7 +424,7 @@ def search_cmd(
 
             result = search_max_batch(spec, inputs, config, device=text,
                                       memory_cap_bytes=cap, steps_per_trial=steps_per_trial,
-                                      on_trial=on_trial)
+                                      boundary_runs=boundary_runs, on_trial=on_trial)
         if as_json:
             _emit_json({"model": model, **result.to_dict()})
             return
@@ -434,15 +451,18 @@ def bench_cmd(
     gpu: Optional[str] = typer.Option(None, "--gpu", help="a catalog GPU, with --predict"),
     predict: bool = typer.Option(False, "--predict", help="predict on --gpu; no device needed"),
     memory: Optional[str] = typer.Option(
-        None, "--memory", help="memory budget on --device, e.g. 8GiB; with --gpu NAME --predict, "
-        "that card's memory"),
+        None, "--memory", help="memory budget on --device, e.g. 8GiB (default on the CPU: the "
+        "memory this machine has available); with --gpu NAME --predict, that card's memory"),
+    time_budget: str = typer.Option(
+        "120s", "--time-budget",
+        help="measuring stops short of batches that would end past this, e.g. 5m"),
     batches: str = typer.Option("auto", "--batches", help="auto, or a list like 16,32,64"),
     dataset_size: Optional[int] = typer.Option(None, "--dataset-size",
                                                help="samples per epoch, for the epoch time"),
     alignment: bool = typer.Option(False, "--alignment",
                                    help="measure B against multiples of 8, powers of two, B±1"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: str = OptimOpt, precision: str = PrecOpt,
+    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: str = PrecOpt,
     checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
     model_kwargs: Optional[list[str]] = KwargsOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
@@ -458,6 +478,7 @@ def bench_cmd(
             raise InvalidInputError("--gpu goes with --predict; to measure, use --device cpu|cuda:N")
         batch_list = _parse_batches(batches)
         memory_bytes = parse_size(memory) if memory is not None else None
+        budget_s = parse_duration(time_budget)
         card = _predicted_card(gpu, memory_bytes) if predict else None
         spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                       checkpointing, channels_last, model_kwargs)
@@ -474,7 +495,13 @@ def bench_cmd(
                 result = bench(spec.factory, inputs, config, device=device or "cpu",
                                memory_bytes=memory_bytes, batches=batch_list,
                                dataset_size=dataset_size, alignment=alignment,
-                               on_measure=on_measure)
+                               time_budget_s=budget_s, on_measure=on_measure,
+                               on_point=_point_line if as_json else None)
+            if result.memory_source == "available":
+                from batchfit.cli.report import format_bytes
+
+                err.print(f"bench: no --memory: using the {format_bytes(result.memory_bytes)} "
+                          "this machine has available now", highlight=False)
         if plot:
             from batchfit.cli.plot import plot_throughput
 
@@ -487,6 +514,17 @@ def bench_cmd(
         out.print(render_bench(result, model))
         if plot:
             out.print(f"plot written to {plot}")
+
+
+def _point_line(point: Any) -> None:
+    """One line on stderr per measured (or skipped) batch: --json mode has no progress bar."""
+    if point.fits:
+        text = (f"bench: batch {point.batch_size}: {point.samples_per_s:,.1f} samples/s "
+                f"(step {point.step_s * 1e3:,.1f} ms; {point.seconds:.1f} s)")
+    else:
+        text = f"bench: batch {point.batch_size}: {point.error}"
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def _predicted_card(gpu: str, memory_bytes: int | None) -> Any:
@@ -552,9 +590,16 @@ def main() -> None:
     # Library chatter (transformers' advisory logs, deprecation warnings) would break
     # --json on stdout and bury the answer; batchfit's own warnings are in its results.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # Keras 3 picks its backend when a model file first imports it: torch, the one batchfit
+    # traces, unless the user chose another (then Keras models get one clear error)
+    os.environ.setdefault("KERAS_BACKEND", "torch")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    # The same kind of chatter through torch's logging: transformers imports torchao's
+    # quantizer with every model, and torchao registers Enums as pytree constants, which
+    # torch.utils._pytree.register_constant logs as deprecated (its only log call).
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     # The cyclic collector would walk the objects torch and the model library create
     # while they import, again and again (0.64 s in 6 walks of a 12 s `max`); _setup()
     # freezes them once they exist and turns it back on (batchfit/_gc.py).

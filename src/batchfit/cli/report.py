@@ -160,6 +160,8 @@ def render_bench(result: Any, model: str) -> Group:
         f"{result.recommended_batch_size}; largest that fits {result.max_batch_size}")]
     if getattr(result, "epoch_s", None):
         lines.append(Text(f"epoch of {result.dataset_size:,} samples: {result.epoch_s:,.1f} s"))
+    if getattr(result, "note", ""):
+        lines.append(Text(f"note: {result.note}", style="italic"))
     alignment = getattr(result, "alignment", None)
     if alignment is not None:
         lines.append(Text(alignment.verdict.text, style="italic"))
@@ -186,4 +188,8 @@ def render_search(result: Any, model: str) -> Group:
     if result.predicted_max_batch_size is not None and result.prediction_error is not None:
         lines.append(Text(f"predicted {result.predicted_max_batch_size} "
                           f"({result.prediction_error:+.1%} vs the device)"))
+    boundary = getattr(result, "boundary", ())
+    if boundary:
+        lines.append(Text("in fresh processes: " + ", ".join(
+            f"batch {b} fits in {k} of {n}" for b, k, n in boundary)))
     return Group(*lines)

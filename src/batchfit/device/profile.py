@@ -142,6 +142,21 @@ class DeviceProfile:
         }
 
 
+def available_memory_bytes() -> int | None:
+    """The memory this machine can give a new allocation now: ``MemAvailable`` of
+    ``/proc/meminfo`` (free memory plus the page cache and buffers the kernel can drop;
+    the kernel's own estimate). None where there is no ``/proc/meminfo``. What a CPU
+    "device" holds when no budget is given, as a GPU's is its free memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def resolve_device(device: "DeviceProfile | str | None") -> DeviceProfile:
     """Accept a profile, ``"cpu"``, or a catalog GPU name (``"A100-80GB"``)."""
     if device is None:

@@ -57,9 +57,13 @@ def _swap_in_mode(model: nn.Module, float_dtype: torch.dtype | None,
 
 
 def fake_copy(model: nn.Module | Callable[[], nn.Module], fake_mode: Any, *,
-              float_dtype: torch.dtype | None = None, channels_last: bool = False) -> nn.Module:
-    """A fake twin of ``model`` (a module or a zero-argument factory)."""
-    if isinstance(model, nn.Module):
+              float_dtype: torch.dtype | None = None, channels_last: bool = False,
+              owned: bool = False) -> nn.Module:
+    """A fake twin of ``model`` (a module or a zero-argument factory). ``owned``: the
+    module was built on meta for this trace alone, so its tensors are swapped in place."""
+    if owned:
+        twin = model
+    elif isinstance(model, nn.Module):
         memo: dict[int, Any] = {}
         for tensor in list(model.parameters()) + list(model.buffers()):
             memo[id(tensor)] = _meta_stub(tensor)
@@ -78,17 +82,35 @@ def fake_copy(model: nn.Module | Callable[[], nn.Module], fake_mode: Any, *,
     return twin
 
 
-def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
-    """Call ``factory`` under ``torch.device("meta")``; one clear error if it fails."""
-    try:
-        with torch.device("meta"):
-            built = factory()
-    except Exception as exc:  # noqa: BLE001 - the user's code can fail in any way
-        raise ModelSpecError(f"the model factory raised {type(exc).__name__}: {exc}") from exc
+def build_on_meta(factory: Callable[[], nn.Module], precision: str | None = None) -> nn.Module:
+    """Call ``factory`` under ``torch.device("meta")``; one clear error if it fails.
+
+    A Keras model (torch backend) is built under ``keras.device("meta")`` too, with the
+    Keras dtype policy of ``precision`` (:func:`batchfit.engine.keras_step.build_scope`);
+    if Keras was first imported by the factory itself, the model is built once more,
+    inside that scope."""
+    from batchfit.engine.keras_step import check_torch_backend, is_keras_model, keras_module
+
+    keras_before = keras_module() is not None
+    built = _call_on_meta(factory, precision)
+    if is_keras_model(built):
+        check_torch_backend("the factory returned a Keras model")
+        if not keras_before:
+            built = _call_on_meta(factory, precision)
     if not isinstance(built, nn.Module):
         raise ModelSpecError(
             f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
     return built
+
+
+def _call_on_meta(factory: Callable[[], Any], precision: str | None) -> Any:
+    from batchfit.engine.keras_step import build_scope
+
+    try:
+        with torch.device("meta"), build_scope("meta", precision):
+            return factory()
+    except Exception as exc:  # noqa: BLE001 - the user's code can fail in any way
+        raise ModelSpecError(f"the model factory raised {type(exc).__name__}: {exc}") from exc
 
 
 def _meta_stub(tensor: torch.Tensor) -> torch.Tensor:

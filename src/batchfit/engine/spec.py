@@ -181,6 +181,31 @@ def parse_size(text: str | int | float, *, allow_zero: bool = False) -> int:
     return size
 
 
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str | int | float) -> float:
+    """Parse a duration such as ``"120s"``, ``"2m"``, ``"1.5h"`` or ``90`` into seconds
+    (positive).
+
+    Example:
+        >>> parse_duration("2m"), parse_duration("45s"), parse_duration(10)
+        (120.0, 45.0, 10.0)
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        if not match or match.group(2).lower() not in _DURATION_UNITS:
+            raise InvalidInputError(
+                f"malformed duration {text!r}: write a number with a unit, like 120s or 2m")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    seconds = value * _DURATION_UNITS[unit]
+    if not seconds > 0:
+        raise InvalidInputError(f"duration {text!r} must be positive")
+    return seconds
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """How the step is run.

@@ -297,3 +297,20 @@ class StepRunner:
         with torch.no_grad():
             output = self.forward_loss()
         del output
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What lives between steps: parameters, buffers, gradients, optimizer state and
+        the grad scaler's tensors (the batch is not included)."""
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        if self.scaler is not None:
+            tensors += [self.scaler.scale, self.scaler.growth_tracker]
+        return tensors
+
+    def drop_gradients(self) -> None:
+        """Free the gradients a step left (after a warm-up, or a failed step)."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)

@@ -45,7 +45,6 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
-from functools import partial
 from typing import Any, Self
 
 import torch
@@ -55,9 +54,6 @@ from batchfit.engine import _torch_internals as ti
 from batchfit.engine.spec import Mode, TrainConfig, parse_enum
 from batchfit.engine.step import (
     StepRunner,
-    make_batch,
-    normalize_input_spec,
-    torch_dtype,
 )
 from batchfit.errors import InvalidInputError, ModelSpecError
 
@@ -183,43 +179,26 @@ def _check_arguments(model_factory: Any, batch_size: Any, config: Any, steps: An
 
 
 def _build_runner(model_factory: Callable[[], nn.Module], inputs: Any, batch_size: int,
-                  config: TrainConfig) -> StepRunner:
-    """The real model, batch and runner, configured as trace_step does for the CPU."""
-    from batchfit.engine.fake import enable_checkpointing
+                  config: TrainConfig) -> Any:
+    """The real model, batch and runner, configured as trace_step does for the CPU (a
+    Keras model runs its own step: :class:`batchfit.realrun.trial._StepSetup`)."""
+    from batchfit.realrun.trial import _StepSetup
 
-    spec = normalize_input_spec(inputs)
-    precision = config.precision
-    float_dtype = None if precision.weight_dtype == "float32" else torch_dtype(precision.weight_dtype)
-    with torch.device("cpu"):
-        model = model_factory()
+    setup = _StepSetup.of(inputs, config, torch.device("cpu"))
+    model = setup.build(model_factory)
     if not isinstance(model, nn.Module):
         raise ModelSpecError(
             f"the model factory returned {type(model).__name__}, not a torch.nn.Module")
-    if float_dtype is not None:
-        model = model.to(float_dtype)
-    if config.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if config.checkpointing and config.mode is Mode.TRAIN:
-        enable_checkpointing(model)
+    model = setup.prepare(model)
     generator = torch.Generator().manual_seed(0)  # the seed trace_step uses
-    batch = make_batch(spec, batch_size, float_dtype, generator, config.channels_last)
-    autocast = None
-    if precision.autocast_dtype:  # CPU autocast, as trace_step runs it for device="cpu"
-        autocast = partial(torch.autocast, "cpu", dtype=torch_dtype(precision.autocast_dtype))
-    return StepRunner(model, config, batch, autocast=autocast, foreach=False, generator=generator)
+    runner = setup.runner(model, None, generator)
+    runner.batch = setup.batch(batch_size, generator)
+    return runner
 
 
-def _step_storages(runner: StepRunner) -> list[torch.Tensor]:
+def _step_storages(runner: Any) -> list[torch.Tensor]:
     """Every tensor live between steps: what the step starts from."""
-    tensors: list[torch.Tensor] = list(runner.model.parameters()) + list(runner.model.buffers())
-    tensors += [p.grad for p in runner.model.parameters() if p.grad is not None]
-    tensors += list(ti.iter_tensors(runner.batch))
-    if runner.optimizer is not None:
-        for state in runner.optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    if runner.scaler is not None:
-        tensors += [runner.scaler.scale, runner.scaler.growth_tracker]
-    return tensors
+    return runner.state_tensors() + list(ti.iter_tensors(runner.batch))
 
 
 def _unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, Any]:
@@ -254,6 +233,11 @@ def _run_profiled(build: Callable[[], StepRunner], steps: int) -> list[_Window]:
         runner = build()
         seconds = _run_steps(runner, steps, lambda i: record_function(f"{_STEP_MARK}.{i}"))
         del runner
+    return _profiled_windows(prof, steps, seconds)
+
+
+def _profiled_windows(prof: Any, steps: int, seconds: list[float]) -> list[_Window]:
+    """Each marked step's baseline and peak from one profiler session's allocator events."""
     # prof.events() drops most "[memory]" events; the raw kineto results keep them all.
     events = list(prof.profiler.kineto_results.events())
     spans = _step_spans(events, steps)
@@ -271,6 +255,63 @@ def _run_profiled(build: Callable[[], StepRunner], steps: int) -> list[_Window]:
             index += 1
         windows.append(_Window(baseline, peak, wall))
     return windows
+
+
+def measure_keras_fit(build: Callable[[], Any], x: Any, y: Any, *, steps: int = 3
+                      ) -> MeasuredStep:
+    """The reference for a Keras model: its own ``model.fit`` on real CPU tensors, measured
+    by the profiler's allocator events, one step per epoch.
+
+    ``build()`` returns the compiled Keras model (built inside the profiler session, so
+    every byte live in a step is one the session saw allocated); ``x`` and ``y`` are one
+    batch (torch tensors, or a list/dict of them for several inputs), which ``fit`` gets
+    with ``batch_size`` = their length, ``shuffle=False`` and ``epochs=steps``. Each step
+    is the span between Keras's ``on_train_batch_begin`` and ``on_train_batch_end``
+    callbacks, so fit's own data handling before and after the step is outside it, as the
+    batch is outside a predicted step; the cyclic garbage collector runs just before each
+    step (fit's per-epoch data iterator leaves the previous batch in a reference cycle,
+    which would otherwise be alive in some runs' steps and not in others'). Steps 2..n are
+    the steady state (step 1 has no gradients from a previous step yet).
+
+    Example (with ``KERAS_BACKEND=torch``):
+        >>> import keras, torch
+        >>> def build():
+        ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        ...     return model
+        >>> run = measure_keras_fit(build, torch.randn(16, 8), torch.randn(16, 4))
+        >>> run.peak_bytes > run.baseline_bytes > 0
+        True
+    """
+    import keras
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    first = keras.tree.flatten(x)[0]
+    batch_size = int(first.shape[0])
+    seconds: list[float] = []
+
+    class _Marks(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            gc.collect()  # the last epoch's data iterator and batch are cyclic garbage
+            self.mark = record_function(f"{_STEP_MARK}.{len(seconds)}")
+            self.mark.__enter__()
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            seconds.append(time.perf_counter() - self.started)
+            self.mark.__exit__(None, None, None)
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = build()
+        model.fit(x, y, batch_size=batch_size, epochs=steps, shuffle=False, verbose=0,
+                  callbacks=[_Marks()])
+        del model
+    windows = _profiled_windows(prof, steps, seconds)
+    return MeasuredStep(peak_bytes=max(w.peak_bytes for w in windows[1:] or windows),
+                        first_step_peak_bytes=windows[0].peak_bytes,
+                        baseline_bytes=windows[-1].baseline_bytes,
+                        method=MeasureMethod.PROFILER, seconds=windows[-1].seconds)
 
 
 def _event_name(event: Any) -> str:

@@ -45,27 +45,19 @@ own state after building the model and the optimizer and one warm-up step at bat
 prediction is asked for the same thing: its CPU budget is the live state the trace
 counts at that point (parameters, buffers, optimizer state) plus the cap.
 
-glibc's dynamic mmap threshold makes a capped CPU process a poor device: once a freed
-tensor raises the threshold, later tensors of that size come from the heap, and near
-the cap the outcome depends on the heap layout. Measured on a small CNN with a 256 MiB
-cap: fresh processes fitted or failed at random anywhere between batch 88 and 101.
-So by default the trial processes pin the threshold at glibc's initial 128 KiB
-(``MALLOC_MMAP_THRESHOLD_``): every tensor of 128 KiB or more gets its own mapping and
-returns it when freed (as a CUDA allocator's large segments do), the process uses a
-few MiB more than its live tensors, and the boundary is sharp and repeatable (129 fits,
-130 fails, in every fresh process). ``reproducible=False`` leaves glibc as it is.
-What pinning does not remove: for ResNet-18 (oneDNN convolutions) the batch at the
-boundary (35) still fitted in some fresh processes and not in others, with a fixed hash
-seed and without address space randomization. Its step grows glibc's heap (the
-small CNN's does not), so its outcome depends on the free space the heap had when the
-cap was set: a data-segment sampler in the benchmark's fresh process measured -192 to
-+408 KiB to spare at 35 over 4 runs, and +0.9 to +1.5 MiB in the same process after
-importing two more modules (``batchfit.realrun.trial``, or ``ctypes``) before the model. The
-trials, forked from one template, all see the same heap: 35 fits in all of them or in
-none, depending on what the zygote imported. No repeat inside one zygote can reveal the
-spread, and no margin separates it from the CNN's boundary, which fits in every fresh
-run with 144 KiB to spare; so such a boundary is reported as the trials see it, and the
-recommendation's headroom is the batch to use.
+The process the trials answer for is the user's: a fresh process with the caller's
+thread count (torch's default in the CLI) and glibc's allocator as the environment sets it.
+glibc's dynamic mmap threshold makes such a process a noisy device: once a freed tensor
+raises the threshold, later tensors of that size come from the heap, the heap fragments,
+and near the cap the outcome depends on its layout. A small CNN under a 128 MiB cap fitted
+batch 62 with the threshold pinned at 128 KiB on one thread (what the trials ran before:
+every tensor of 128 KiB or more mapped on its own, a sharp and repeatable boundary) and
+41 in a plain ``python`` process with torch's defaults, where 42 fitted in 1 of 4 runs and
+43 in 2 of 4. So the search first finds a boundary as before (one trial per batch), then
+runs the answer and the batch above it in ``boundary_runs`` (3) fresh processes each; the
+answer must fit in all of them (else the search steps down), and ``SearchResult.boundary``
+says in how many the batch above fitted. ``reproducible=True`` brings back the pinned
+threshold (a repeatable boundary of a process the user does not run).
 
 What the prediction misses on the CPU (``benchmarks/max_vs_true_cpu.py``): 5-7 MiB of
 process memory outside the tensor allocator at any batch (Python and autograd objects,
@@ -136,6 +128,9 @@ class SearchResult:
         world_size: the ranks that searched together (1: a single-process search).
         limiting_rank: distributed: the lowest rank that ran out of memory at the
             batch after the answer (None otherwise).
+        boundary: CPU: ``(batch_size, fits, runs)`` for the batches at the boundary, each
+            run in ``boundary_runs`` fresh processes: the answer fitted in all of its runs,
+            the batch above it in ``fits`` of ``runs`` (flaky when 0 < fits < runs).
     """
 
     max_batch_size: int
@@ -151,6 +146,7 @@ class SearchResult:
     overhead_bytes: int | None = None
     world_size: int = 1
     limiting_rank: int | None = None
+    boundary: tuple[tuple[int, int, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -168,6 +164,7 @@ class SearchResult:
             "overhead_bytes": self.overhead_bytes,
             "world_size": self.world_size,
             "limiting_rank": self.limiting_rank,
+            "boundary": [{"batch_size": b, "fits": k, "runs": n} for b, k, n in self.boundary],
         }
 
 
@@ -179,8 +176,8 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
                      steps_per_trial: int = 2, predicted: int | None = None,
                      optimizer: Any = None, loader: Any = None,
                      max_batch_limit: int = DEFAULT_MAX_BATCH_LIMIT, min_headroom: float = 0.05,
-                     approach: float | None = None, reproducible: bool = True,
-                     timeout_s: float | None = None,
+                     approach: float | None = None, reproducible: bool = False,
+                     boundary_runs: int = 3, timeout_s: float | None = None,
                      on_trial: Callable[[Trial], None] | None = None,
                      trial_server: Any = None, process_group: Any = None,
                      **options: Any) -> SearchResult:
@@ -219,8 +216,12 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
             limit (default: on the CPU batch 16, where the prediction's line was traced,
             when it predicts more than 32, else 0.25; 0.05 on CUDA; see the module
             docstring).
-        reproducible: CPU: trial processes pin glibc's mmap threshold, so the boundary
-            is the same in (nearly) every fresh process (see the module docstring).
+        reproducible: CPU: trial processes pin glibc's mmap threshold (and a one-thread
+            caller makes them single-threaded): a repeatable boundary, but of a process
+            the user does not run (a small CNN fitted 62 there and 41 in a plain process).
+            By default the trials keep the caller's allocator settings and thread count.
+        boundary_runs: CPU: the answer must fit in this many fresh processes, and the batch
+            above it is run as often, so its flakiness shows (``SearchResult.boundary``).
         timeout_s: a trial running longer than this raises (CPU).
         on_trial: called with each :class:`~batchfit.realrun.trial.Trial` as it finishes.
         trial_server: CPU: a running :class:`~batchfit.realrun.trial_server.TrialServer` to fork the
@@ -276,7 +277,8 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
                 prediction = (search.predict() if predicted is None
                               else _Prediction(predicted))
             return search.run(prediction, _RunOptions(max_batch_limit, approach, min_headroom,
-                                                      on_trial, started), agreement)
+                                                      on_trial, started, boundary_runs),
+                              agreement)
         finally:
             if search is not None:
                 search.close()
@@ -389,6 +391,7 @@ class _RunOptions:
     min_headroom: float
     on_trial: Callable[[Trial], None] | None
     started: float
+    boundary_runs: int = 1
 
 
 class _Search:
@@ -462,6 +465,11 @@ class _Search:
         answer = log.lower
         if answer == 0:
             self._nothing_fits(trials, agreed_trials, needed)
+        boundary: tuple[tuple[int, int, int], ...] = ()
+        if self.isolated and agreement is None and options.boundary_runs > 1 \
+                and answer < max_batch:
+            answer, boundary = _settle_boundary(answer, trials, run_one,
+                                                options.boundary_runs)
         overhead = (next(t for t in reversed(trials) if t.fits and t.batch_size == answer
                          ).overhead_bytes(self.usage_is_growth)
                     if agreement is None else
@@ -469,15 +477,20 @@ class _Search:
                          ).overhead_bytes)
         limiting = next((a.limiting_rank for a in reversed(agreed_trials)
                          if not a.fits and a.batch_size == log.upper), None)
+        if boundary:  # the spread was measured, not inferred from one run's overhead
+            recommended = max(1, math.floor(answer * (1 - options.min_headroom)))
+        else:
+            recommended = recommended_batch(log, overhead, options.min_headroom)
         return SearchResult(
             max_batch_size=answer,
-            recommended_batch_size=recommended_batch(log, overhead, options.min_headroom),
+            recommended_batch_size=recommended,
             predicted_max_batch_size=predicted,
             prediction_error=(predicted - answer) / answer if predicted else None,
             trials=tuple(trials), device=self.device_name, memory_cap_bytes=self.cap_bytes,
             steps_per_trial=self.steps, seconds=time.perf_counter() - options.started,
             capped=answer >= max_batch, overhead_bytes=overhead,
             world_size=agreement.world_size if agreement is not None else 1,
+            boundary=boundary,
             limiting_rank=limiting)
 
     def _nothing_fits(self, trials: list[Trial], agreed_trials: list[Any],
@@ -679,6 +692,39 @@ class _CudaSearch(_InProcessSearch):
         if result.total_bytes_at_next is not None:
             per_sample = float(result.total_bytes_at_next - result.total_bytes_at_max)
         return _Prediction(result.max_batch_size, per_sample or None)
+
+
+def _settle_boundary(answer: int, trials: Sequence[Trial], run: Callable[[int], Trial],
+                     runs: int) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+    """The largest batch that fits in every one of ``runs`` fresh processes, from the
+    search's answer: the answer and the batch above it are run until each has ``runs``
+    runs (the trials so far count), and while the answer fails in one of them the next
+    batch down is run as often. Returns it and ``(batch, fits, runs)`` for each batch run
+    so, from the answer's up to the first one above it.
+
+    A capped fresh process with glibc's default allocator is not a repeatable device: where
+    the cap falls near the step's peak, the heap's layout decides, and it differs from
+    process to process (threads, what was freed where). Measured here for a small CNN
+    under a 128 MiB cap in plain ``python`` processes: batch 41 fitted in 4 of 4, 42 in 1 of
+    4, 43 in 2 of 4. One run at each batch reports one draw; this reports the spread, and
+    answers the batch the user's process can count on."""
+    outcomes: dict[int, list[bool]] = {}
+    for trial in trials:
+        outcomes.setdefault(trial.batch_size, []).append(trial.fits)
+
+    def fill(batch: int) -> list[bool]:
+        seen = outcomes.setdefault(batch, [])
+        while len(seen) < runs and (all(seen) or batch > answer):
+            seen.append(run(batch).fits)
+        return seen
+
+    top = answer + 1
+    fill(top)
+    while answer > 1 and not all(fill(answer)):
+        answer -= 1
+    settled = tuple((b, sum(outcomes[b]), len(outcomes[b]))
+                    for b in sorted(outcomes) if answer <= b <= top)
+    return answer, settled
 
 
 def summarize_trials(trials: Sequence[Trial]) -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -134,7 +135,22 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if type(exc) is RuntimeError:
         text = str(exc)
         return any(message in text for message in _OOM_MESSAGES)
-    return False
+    return _is_other_backends_out_of_memory(exc)
+
+
+def _is_other_backends_out_of_memory(exc: BaseException) -> bool:
+    """Keras 3 on JAX or TensorFlow (:mod:`batchfit.integrations.keras`): XLA reports an
+    allocation failure as a ``jax.errors.JaxRuntimeError`` whose status is
+    ``RESOURCE_EXHAUSTED`` (measured on the CPU under ``RLIMIT_DATA``: "RESOURCE_EXHAUSTED:
+    Out of memory allocating 486948996 bytes"), TensorFlow as
+    ``tf.errors.ResourceExhaustedError``. Checked only if that library is imported."""
+    jax = sys.modules.get("jax")
+    jax_error = getattr(getattr(jax, "errors", None), "JaxRuntimeError", None)
+    if isinstance(jax_error, type) and isinstance(exc, jax_error):
+        return "RESOURCE_EXHAUSTED" in str(exc)
+    tf = sys.modules.get("tensorflow")
+    tf_error = getattr(getattr(tf, "errors", None), "ResourceExhaustedError", None)
+    return isinstance(tf_error, type) and isinstance(exc, tf_error)
 
 
 def release_exception(exc: BaseException) -> None:
@@ -244,16 +260,9 @@ class _UsageTracker:
             self._segment.close()
 
 
-def _state_tensors(runner: StepRunner) -> list[torch.Tensor]:
+def _state_tensors(runner: Any) -> list[torch.Tensor]:
     """What lives between steps: parameters, buffers, gradients, optimizer state."""
-    tensors = list(runner.model.parameters()) + list(runner.model.buffers())
-    tensors += [p.grad for p in runner.model.parameters() if p.grad is not None]
-    if runner.optimizer is not None:
-        for state in runner.optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    if runner.scaler is not None:
-        tensors += [runner.scaler.scale, runner.scaler.growth_tracker]
-    return tensors
+    return runner.state_tensors()
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
@@ -270,13 +279,20 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
 
 @dataclass
 class _StepSetup:
-    """How the real step is configured (the same way trace_step configures the trace)."""
+    """How the real step is configured (the same way trace_step configures the trace).
+
+    A Keras model (:mod:`batchfit.engine.keras_step`) runs its own step: it is built on
+    the target device by Keras (:meth:`build`), keeps its own dtype policy (no cast, no
+    autocast), is prepared as ``fit`` prepares it, and its batches are ``(x, y)`` with
+    targets for its compiled loss (``keras_targets``, set by :meth:`prepare`)."""
 
     spec: InputSpec
     config: TrainConfig
     device: torch.device
     float_dtype: torch.dtype | None
     autocast: Callable[[], Any] | None
+    keras_targets: Any = None
+    keras: bool = False
 
     @classmethod
     def of(cls, inputs: Any, config: TrainConfig, device: torch.device) -> _StepSetup:
@@ -289,19 +305,49 @@ class _StepSetup:
             autocast = lambda: torch.autocast(device.type, dtype=amp_dtype)
         return cls(normalize_input_spec(inputs), config, device, float_dtype, autocast)
 
-    def batch(self, batch_size: int, generator: torch.Generator) -> tuple[tuple, dict]:
+    def build(self, factory: Callable[[], Any]) -> Any:
+        """Call ``factory`` for real: a torch model on the CPU (:meth:`prepare` moves it), a
+        Keras model by Keras on the target device, with the config's dtype policy."""
+        from batchfit.engine import keras_step
+
+        with torch.device("cpu"), keras_step.build_scope(self.device,
+                                                         self.config.precision.value):
+            return factory()
+
+    def batch(self, batch_size: int, generator: torch.Generator) -> tuple:
+        if self.keras:
+            from batchfit.engine import keras_step
+
+            with torch.device(self.device):
+                return keras_step.make_data(self.spec, self.keras_targets, batch_size,
+                                            generator)
         with torch.device(self.device):
             return make_batch(self.spec, batch_size, self.float_dtype, generator,
                               self.config.channels_last)
 
     def runner(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-               generator: torch.Generator) -> StepRunner:
+               generator: torch.Generator) -> Any:
+        if self.keras:
+            from batchfit.engine import keras_step
+
+            return keras_step.KerasStepRunner(model, self.config, ((), {}))
         foreach = False if self.device.type == "cpu" else None  # each device's own default
         return StepRunner(model, self.config, ((), {}), autocast=self.autocast, foreach=foreach,
                           generator=generator, optimizer=optimizer)
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        """A freshly built model in the config's dtype, memory format and checkpointing."""
+        """A freshly built model in the config's dtype, memory format and checkpointing
+        (a Keras model: compiled if it was not, its loss, metrics and optimizer built)."""
+        from batchfit.engine import keras_step
+
+        if keras_step.is_keras_model(model):
+            keras_step.check_torch_backend()
+            self.keras = True
+            with keras_step.build_scope(self.device):
+                keras_step.compile_if_needed(model, self.config.optimizer)
+                self.keras_targets = keras_step.target_specs(model, self.spec)
+                keras_step.prepare(model, self.spec, self.keras_targets)
+            return model
         if self.float_dtype is not None:
             model = model.to(self.float_dtype)
         if self.config.channels_last:
@@ -385,8 +431,7 @@ def run_trial(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_siz
                 f"model must be an nn.Module or a factory, not {type(model).__name__}")
         target = torch.device(device or "cpu")
         setup = _StepSetup.of(inputs, config, target)
-        with torch.device("cpu"):
-            model = setup.prepare(_checked_module(model()))
+        model = setup.prepare(_checked_module(setup.build(model)))
     else:
         target = torch.device(device) if device is not None else _module_device(model)
         setup = _StepSetup.of(inputs, config, target)

@@ -620,9 +620,9 @@ def factory_of(source: Any) -> Any:
     return source
 
 
-def _build_from_source(source: Any) -> nn.Module:
+def _build_from_source(source: Any, setup: _StepSetup) -> nn.Module:
     source = factory_of(source)
-    return source if isinstance(source, nn.Module) else _checked_module(source())
+    return source if isinstance(source, nn.Module) else _checked_module(setup.build(source))
 
 
 def _warm_up(runner: StepRunner, setup: _StepSetup, generator: torch.Generator) -> None:
@@ -633,8 +633,7 @@ def _warm_up(runner: StepRunner, setup: _StepSetup, generator: torch.Generator) 
         runner.batch = setup.batch(1, generator)
         step()
     except Exception:  # noqa: BLE001 - retried once; a second failure is the user's error
-        if runner.optimizer is not None:
-            runner.optimizer.zero_grad(set_to_none=True)
+        runner.drop_gradients()
         runner.batch = setup.batch(2, generator)
         step()
 
@@ -654,12 +653,11 @@ class _PreparedTrial:
         torch.set_num_threads(request.num_threads)  # a template: 1 (see _template_main)
         torch.manual_seed(0)
         setup = _StepSetup.of(request.inputs, request.config, torch.device("cpu"))
-        model = setup.prepare(_build_from_source(request.model))
+        model = setup.prepare(_build_from_source(request.model, setup))
         generator = torch.Generator().manual_seed(0)
         runner = setup.runner(model, None, generator)
         _warm_up(runner, setup, generator)
-        if runner.optimizer is not None:
-            runner.optimizer.zero_grad(set_to_none=True)
+        runner.drop_gradients()
         runner.batch = ((), {})
         gc.collect()
         return cls(request, setup, runner, generator)

@@ -87,6 +87,7 @@ from batchfit.speed.timing import (
     Clock,
     TimingConfig,
     _free_memory,
+    _freeze_keras_learning_rate,
     _freeze_learning_rate,
     _measured_peak,
     _reset_peak,
@@ -96,6 +97,9 @@ from batchfit.speed.timing import (
 
 #: The largest batch the sweep considers unless told otherwise.
 DEFAULT_MAX_BATCH_LIMIT = 1 << 16
+#: Seconds ``bench`` may take by default: enough for 8 points of a model whose largest
+#: step takes a few seconds; an inference sweep on a CPU with 8 GiB once ran past 10 minutes.
+DEFAULT_TIME_BUDGET_S = 120.0
 
 
 
@@ -175,6 +179,10 @@ class BenchResult:
         memory_left_bytes: ``memory_bytes`` minus the predicted peak at the recommended batch.
         epoch_s: seconds per epoch of ``dataset_size`` samples at the recommended batch.
         elapsed_s: wall time of the whole call; ``measure_s``: of the measured steps alone.
+        time_budget_s: the time budget the sweep kept to (None: none).
+        memory_source: where ``memory_bytes`` came from: ``given``, ``device`` (the card's)
+            or ``available`` (the CPU's available memory, when no budget was given).
+        note: what bounded the sweep beyond memory (the time budget), and the solver's note.
     """
 
     points: tuple[ThroughputPoint, ...]
@@ -197,6 +205,8 @@ class BenchResult:
     elapsed_s: float = 0.0
     measure_s: float = 0.0
     note: str = ""
+    time_budget_s: float | None = None
+    memory_source: str = "given"
 
     def point(self, batch_size: int) -> ThroughputPoint | None:
         """The measurement of ``batch_size`` that fit (the alignment analysis's, if any)."""
@@ -223,6 +233,8 @@ class BenchResult:
             "elapsed_s": self.elapsed_s,
             "measure_s": self.measure_s,
             "note": self.note,
+            "time_budget_s": self.time_budget_s,
+            "memory_source": self.memory_source,
         }
 
 
@@ -270,24 +282,39 @@ class _Sweep:
     optimizer: Any = None
     scaler: Any = None
     measure_s: float = 0.0
+    keras: Any = None  # a Keras model's step setup (batchfit.realrun.trial._StepSetup)
+    deadline: float | None = None  # time.perf_counter() by which measuring must be done
+    on_point: Callable[[ThroughputPoint], None] | None = None
+    step_s: dict[int, float] = field(default_factory=dict)  # measured, by batch size
+    over_time: set[int] = field(default_factory=set)  # batches not run for the time budget
 
     def open(self) -> None:
         """Build (a factory) or prepare (a module) the real model on the device."""
         import torch
         from torch import nn
 
+        from batchfit.engine import keras_step
         from batchfit.engine.fake import enable_checkpointing
         from batchfit.engine.step import torch_dtype
 
         config, model = self.config, self.model
+        if keras_step.is_keras_model(model):  # the user's Keras model runs on a copy
+            model = keras_step.clone_factory(model)
         if isinstance(model, nn.Module):
             # values are restored in place afterwards; a change of dtype, layout, device or
             # checkpointing is not, so it happens on a copy
             module = copy.deepcopy(model) if self._changes_module(model) else model
         elif callable(model):
             torch.manual_seed(0)  # reproducible weights; the caller's RNG is restored after
-            with torch.device(self.torch_device):
+            with torch.device(self.torch_device), keras_step.build_scope(
+                    self.torch_device, config.precision.value):
                 module = model()
+            if keras_step.is_keras_model(module):  # it runs its own step (realrun.trial)
+                from batchfit.realrun.trial import _StepSetup
+
+                self.keras = _StepSetup.of(self.inputs, config, self.torch_device)
+                self.module = self.keras.prepare(module)
+                return
             if not isinstance(module, nn.Module):
                 raise ModelSpecError(
                     f"the model factory returned {type(module).__name__}, not a torch.nn.Module")
@@ -340,6 +367,14 @@ class _Sweep:
         )
 
         config = self.config
+        if self.keras is not None:  # Keras's own step on (x, y)
+            runner = self.keras.runner(self.module, None, None)
+            runner.batch = self.keras.batch(
+                batch_size, torch.Generator(device=self.torch_device).manual_seed(0))
+            if self.optimizer is None:
+                _freeze_keras_learning_rate(self.module)
+                self.optimizer = self.module.optimizer
+            return runner
         weight = config.precision.weight_dtype
         float_dtype = None if weight == "float32" else torch_dtype(weight)
         generator = torch.Generator().manual_seed(0)
@@ -365,12 +400,44 @@ class _Sweep:
     def step_fn(self, runner: Any) -> Callable[[], None]:
         return runner.train_step if self.config.mode is Mode.TRAIN else runner.infer_step
 
+    def predicted_measure_s(self, batch_size: int) -> float | None:
+        """Seconds measuring ``batch_size`` may take: its warm-up steps, the timed run
+        (up to ``max_run_s``) and the step that ends past it, the step time predicted from
+        the batches measured
+        so far (the line through the two largest below or at it, else proportional to the
+        batch from the nearest one; a step grows at least linearly with the batch once the
+        device is busy). None before anything was measured."""
+        if not self.step_s:
+            return None
+        sizes = sorted(self.step_s)
+        below = [b for b in sizes if b <= batch_size]
+        slope = 0.0
+        if len(below) >= 2:
+            b0, b1 = below[-2], below[-1]
+            slope = (self.step_s[b1] - self.step_s[b0]) / (b1 - b0)
+        if slope > 0:
+            step = self.step_s[b1] + slope * (batch_size - b1)
+        else:  # one point, or a flat or noisy pair: proportional, the cautious guess
+            nearest = below[-1] if below else sizes[0]
+            step = self.step_s[nearest] * batch_size / nearest
+        timing = self.timing
+        return (timing.warmup_steps + 1) * step + timing.max_run_s
+
     def measure(self, batch_size: int) -> ThroughputPoint:
-        """Time ``batch_size`` (never run if predicted not to fit; OOM recovered and marked)."""
+        """Time ``batch_size`` (never run if predicted not to fit, or to take past the time
+        budget; OOM recovered and marked)."""
         peak = self.predicted_peak(batch_size)
         if peak > self.fit_bytes:
-            return ThroughputPoint(batch_size, False, None, None, None, peak,
-                                   error=f"predicted to need {peak:,} B > {self.fit_bytes:,} B; not run")
+            return self._report(ThroughputPoint(
+                batch_size, False, None, None, None, peak,
+                error=f"predicted to need {peak:,} B > {self.fit_bytes:,} B; not run"))
+        cost = self.predicted_measure_s(batch_size)
+        if self.deadline is not None and cost is not None and \
+                time.perf_counter() + cost > self.deadline:
+            self.over_time.add(batch_size)
+            return self._report(ThroughputPoint(
+                batch_size, False, None, None, None, peak,
+                error=f"not run: measuring it would take ~{cost:.0f} s, past the time budget"))
         if self.on_measure is not None:
             self.on_measure(batch_size)
         error = ""
@@ -394,13 +461,23 @@ class _Sweep:
             self.measure_s += seconds
         if error:
             self._recover()
-            return ThroughputPoint(batch_size, False, None, None, None, peak, error=error,
-                                   seconds=seconds)
-        return ThroughputPoint(batch_size, True, median, iqr, batch_size / median, peak,
-                               measured_peak, repeats, steps, seconds=seconds)
+            return self._report(ThroughputPoint(batch_size, False, None, None, None, peak,
+                                                error=error, seconds=seconds))
+        self.step_s[batch_size] = min(median, self.step_s.get(batch_size, median))
+        return self._report(ThroughputPoint(batch_size, True, median, iqr, batch_size / median,
+                                            peak, measured_peak, repeats, steps,
+                                            seconds=seconds))
+
+    def _report(self, point: ThroughputPoint) -> ThroughputPoint:
+        if self.on_point is not None:
+            self.on_point(point)
+        return point
 
     def _recover(self) -> None:
-        if self.optimizer is not None:
+        if self.keras is not None:
+            for param in self.module.parameters():
+                param.grad = None
+        elif self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         _free_memory(self.torch_device)
 
@@ -557,7 +634,10 @@ def bench(model: Any, inputs: Any, config: TrainConfig | None = None, *,
           tolerance: float = DEFAULT_TOLERANCE, max_points: int = DEFAULT_MAX_POINTS,
           alignment: bool = False, margin: float = 0.0,
           max_batch_limit: int = DEFAULT_MAX_BATCH_LIMIT, timing: TimingConfig | None = None,
-          on_measure: Callable[[int], None] | None = None, **options: Any) -> BenchResult:
+          time_budget_s: float | None = DEFAULT_TIME_BUDGET_S,
+          on_measure: Callable[[int], None] | None = None,
+          on_point: Callable[[ThroughputPoint], None] | None = None,
+          **options: Any) -> BenchResult:
     """Measure throughput against batch size on a real device; find the knee.
 
     Args:
@@ -567,7 +647,9 @@ def bench(model: Any, inputs: Any, config: TrainConfig | None = None, *,
         config: a :class:`~batchfit.engine.spec.TrainConfig`, or its fields as ``options``
             (``mode="infer"`` sizes inference: no gradients, no optimizer).
         device: ``"cpu"`` or ``"cuda:N"``.
-        memory_bytes: the memory budget (required on the CPU; defaults to the card on CUDA).
+        memory_bytes: the memory budget (default: the card's on CUDA; on the CPU the memory
+            the machine has available now, ``MemAvailable``, which the result says in
+            ``memory_source``).
         batches: ``"auto"`` (adaptive, at most ``max_points`` sizes) or a list of sizes,
             each of which must fit.
         dataset_size: samples per epoch, for ``epoch_s``.
@@ -576,7 +658,12 @@ def bench(model: Any, inputs: Any, config: TrainConfig | None = None, *,
         margin: fraction of memory kept free (as for :func:`batchfit.max_batch_size`).
         max_batch_limit: the largest batch considered.
         timing: a :class:`TimingConfig`.
+        time_budget_s: seconds the whole call may take (None: no limit): a batch whose
+            measurement is predicted (from the step times measured so far) to end past it is
+            not run, and the sweep goes on below it; the first batch always runs.
         on_measure: called with each batch size before it is measured (progress).
+        on_point: called with each batch's :class:`ThroughputPoint` once it is measured or
+            skipped (a progress line).
 
     Raises:
         InvalidInputError: bad input (empty list, a batch above the maximum, a zero
@@ -607,6 +694,20 @@ def bench(model: Any, inputs: Any, config: TrainConfig | None = None, *,
     torch_device, profile = _resolve_run_device(device)
     if timing.clock is Clock.CPU and torch_device.type != "cpu":
         raise InvalidInputError("clock='cpu' times CPU threads: use clock='wall' on a GPU")
+    if time_budget_s is not None and (isinstance(time_budget_s, bool)
+                                      or not isinstance(time_budget_s, (int, float))
+                                      or not time_budget_s > 0):
+        raise InvalidInputError(
+            f"time budget must be a positive number of seconds, not {time_budget_s!r}")
+    memory_source = "given" if memory_bytes is not None else "device"
+    if memory_bytes is None and torch_device.type == "cpu":
+        from batchfit.device.profile import available_memory_bytes
+
+        memory_bytes, memory_source = available_memory_bytes(), "available"
+        if memory_bytes is None:
+            raise InvalidInputError(
+                "no memory budget for the CPU and no /proc/meminfo to read what is available: "
+                "give memory_bytes (--memory 16GiB)")
     limit = max_batch_size(model, inputs, config, device=profile, memory_bytes=memory_bytes,
                            margin=margin, max_batch_limit=max_batch_limit)
     maximum = limit.max_batch_size
@@ -617,7 +718,9 @@ def bench(model: Any, inputs: Any, config: TrainConfig | None = None, *,
             f"({maximum} in {limit.memory_bytes:,} B): drop them or raise the memory budget")
     fit_bytes = int(limit.memory_bytes * (1 - margin))
     is_module = isinstance(model, torch.nn.Module)
-    sweep = _Sweep(model, inputs, config, torch_device, profile, fit_bytes, timing, on_measure)
+    sweep = _Sweep(model, inputs, config, torch_device, profile, fit_bytes, timing, on_measure,
+                   deadline=None if time_budget_s is None else started + time_budget_s,
+                   on_point=on_point)
     # the solver's traces: allocator bytes (+ workspace and context on CUDA) = total bytes
     outside = profile.context_bytes + profile.workspace_bytes if profile.is_cuda else 0
     sweep.peaks.update({b: needed + outside for b, needed in limit.evaluated})
@@ -659,7 +762,16 @@ def bench(model: Any, inputs: Any, config: TrainConfig | None = None, *,
         device=profile, torch_device=str(torch_device), tolerance=tolerance, timing=timing,
         num_threads=_thread_count(timing), dataset_size=dataset_size, epoch_s=epoch,
         alignment=aligned, elapsed_s=time.perf_counter() - started, measure_s=sweep.measure_s,
-        note=limit.note)
+        note=_bench_note(limit.note, sweep, time_budget_s), time_budget_s=time_budget_s,
+        memory_source=memory_source)
+
+
+def _bench_note(solver_note: str, sweep: _Sweep, time_budget_s: float | None) -> str:
+    notes = [solver_note] if solver_note else []
+    if sweep.over_time:
+        notes.append(f"batches from {min(sweep.over_time)} up were not measured: they would "
+                     f"have run past the {time_budget_s:g} s time budget")
+    return "; ".join(notes)
 
 
 def size_inference(model: Any, inputs: Any, config: TrainConfig | None = None,

@@ -148,10 +148,29 @@ def _gemm_shapes(packet: Any, args: tuple, out: Any) -> tuple[GemmShape, ...]:
     return ()
 
 
+def _scalar_placeholder(func: Any, args: tuple) -> Any:
+    """``.item()`` of a value a fake tensor does not know gets 1 (Keras's optimizers pass
+    the learning rate tensor as a scalar ``alpha``; it sets no shape, so no cost), as the
+    memory trace's optimizer phase does (:meth:`batchfit.engine.trace.Tracer._shortcut`)."""
+    import torch
+
+    from batchfit.engine import _torch_internals as ti
+
+    if func is not torch.ops.aten._local_scalar_dense.default:
+        return ti.RUN
+    try:
+        return func(*args)
+    except ti.DataDependentOutputException:
+        dtype = args[0].dtype
+        if dtype.is_floating_point or dtype.is_complex:
+            return 1.0
+        return True if dtype is torch.bool else 1
+
+
 class _CostRecorder:
     """Turns each aten op into an :class:`OpCost`; FLOPs are the counter's delta per op."""
 
-    def __init__(self, counter: Any) -> None:
+    def __init__(self, counter: Any, scalar_placeholder: bool = False) -> None:
         from batchfit.engine import _torch_internals as ti
 
         self.counter = counter
@@ -160,7 +179,9 @@ class _CostRecorder:
         self._flops_seen = 0
         self._free, matmuls, convs = _op_sets()
         self._gemm_ops = matmuls | convs
-        self.interceptor = ti.OpInterceptor(self._on_output, lambda func, exc: None)
+        shortcut = _scalar_placeholder if scalar_placeholder else None
+        self.interceptor = ti.OpInterceptor(self._on_output, lambda func, exc: None,
+                                            shortcut=shortcut)
 
     def _on_output(self, func: Any, args: tuple, out: Any) -> None:
         from batchfit.engine import _torch_internals as ti
@@ -251,10 +272,19 @@ def trace_op_costs(model: Any, inputs: Any, batch_size: int, config: TrainConfig
     float_dtype = None if weight == "float32" else torch_dtype(weight)
     amp = config.precision.autocast_dtype
     training = config.mode is Mode.TRAIN
+    from batchfit.engine.fake import build_on_meta
+    from batchfit.engine.keras_step import is_keras_model
+
+    with ti.preserved_global_state():
+        base = model
+        if callable(model) and not isinstance(model, torch.nn.Module):
+            base = build_on_meta(model, config.precision.value)
+    if is_keras_model(base):
+        return _keras_op_costs(base, base is model, inputs, batch_size, config, profile)
     fake_mode = ti.new_fake_mode()
     with ti.preserved_global_state():
-        twin = fake_copy(model, fake_mode, float_dtype=float_dtype,
-                         channels_last=config.channels_last)
+        twin = fake_copy(base, fake_mode, float_dtype=float_dtype,
+                         channels_last=config.channels_last, owned=base is not model)
         if config.checkpointing and training:
             enable_checkpointing(twin)
         generator = torch.Generator().manual_seed(0)
@@ -286,6 +316,50 @@ def trace_op_costs(model: Any, inputs: Any, batch_size: int, config: TrainConfig
                 runner.optimizer_step()
             else:
                 runner.infer_step()
+    return tuple(recorder.ops)
+
+
+def _keras_op_costs(base: Any, is_users: bool, inputs: Any, batch_size: int, config: Any,
+                    profile: Any) -> tuple[OpCost, ...]:
+    """:func:`trace_op_costs` for a Keras 3 model: Keras's own step in the steady state,
+    as :func:`batchfit.engine.trace.trace_step` traces it (one ``train_step`` with the last
+    step's gradients alive, on its variables rebound to fake tensors)."""
+    import contextlib
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from batchfit.engine import _torch_internals as ti
+    from batchfit.engine import keras_step
+    from batchfit.engine.spec import Mode
+    from batchfit.engine.trace import _prepared_keras
+
+    meta, spec, targets = _prepared_keras(base, is_users, inputs, config, None)
+    fake_mode = ti.new_fake_mode()
+    emulation: Any = contextlib.nullcontext()
+    if profile.is_cuda:
+        from batchfit.engine.cuda_emulation import CudaEmulation
+
+        emulation = CudaEmulation(profile.compute_capability, sdpa=False, autocast_dtype=None)
+    training = config.mode is Mode.TRAIN
+    with ti.preserved_global_state(), keras_step.fake_variables(meta, fake_mode) as state:
+        with fake_mode:
+            batch = keras_step.make_data(spec, targets, batch_size,
+                                         torch.Generator().manual_seed(0))
+            if training:
+                for variable in state.trainable:
+                    variable.value.grad = torch.zeros_like(variable.value)
+        runner = keras_step.KerasStepRunner(meta, config, batch, mark_phases=True)
+        counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
+        recorder = _CostRecorder(counter, scalar_placeholder=True)
+        with fake_mode, emulation, counter, recorder.interceptor, \
+                keras_step.trace_device(profile.is_cuda), \
+                keras_step.garbage_collected_per_layer(meta):
+            if training:
+                runner.train_step()
+            else:
+                runner.infer_step()
+        del runner, batch
     return tuple(recorder.ops)
 
 

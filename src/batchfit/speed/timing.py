@@ -99,6 +99,14 @@ class TimingConfig:
 
 
 
+def _freeze_keras_learning_rate(model: Any) -> None:
+    """:func:`_freeze_learning_rate` for a Keras model's optimizer (a fixed learning rate
+    is a Keras variable; a schedule is left as it is)."""
+    rate = getattr(getattr(model, "optimizer", None), "learning_rate", None)
+    if hasattr(rate, "assign"):
+        rate.assign(0.0)
+
+
 def _freeze_learning_rate(optimizer: Any) -> None:
     """Learning rate 0: the same kernels run, but the repeated batch trains nothing.
 

@@ -1,0 +1,189 @@
+"""Issue 14's check of the capped-CPU search: does it answer for the user's own process?
+
+The device (DESIGN.md section 4): a process builds the model and AdamW, runs one training
+step at batch 1, frees that step's gradients and batch, sets ``RLIMIT_DATA`` = VmData +
+cap, then runs 2 steps at batch B. The truth is a **plain** fresh ``python -c`` process
+with torch's defaults: no ``MALLOC_MMAP_THRESHOLD_``, no ``OMP_NUM_THREADS`` (the CPU's
+threads), what a user's training script is (``max_vs_true_cpu.py``'s child code, run in
+that plain environment). The largest batch that fits in every one of 3 such processes is
+the true maximum; a batch above it that fits in some is reported as flaky (k of 3).
+
+For each model: the truth; then ``search_max_batch(spec, device="cpu",
+memory_cap_bytes=cap)`` with its defaults (the caller's threads and allocator, the
+answer run in 3 fresh processes) ``--repeats`` times, each from a running trial server
+(the library call in a running process, as the peers are called); its recommended batch
+re-run in 3 plain processes (it must never fail); and Lightning's
+``scale_batch_size(mode="binsearch", steps_per_trial=2)`` in one plain capped process, its
+finder call timed as ``search_vs_peers.py`` times it. Wall times are medians.
+
+Run: ``python benchmarks/search_user_process.py [--models cnn,gpt2-tiny,resnet18]
+[--repeats 3]``. Writes ``benchmarks/results/search_user_process.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import max_vs_true_cpu as device
+import search_vs_peers as peers
+
+RESULTS = device.RESULTS
+
+
+def plain_env() -> dict[str, str]:
+    """The user's process: this environment less anything batchfit's benchmarks set."""
+    env = dict(os.environ)
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+def plain_trial(name: str, batch_size: int, cap: int) -> dict:
+    entry = device.MODELS[name]
+    args = {k: entry[k] for k in ("spec", "model_kwargs", "seq_len", "input_shape") if k in entry}
+    args.update(batch_size=batch_size, cap=cap, steps=device.STEPS, optimizer=device.OPTIMIZER)
+    done = subprocess.run([sys.executable, "-c", device.TRUTH_CHILD, json.dumps(args)],
+                          cwd=device.ROOT, env=plain_env(), capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"plain run failed for {name} at {batch_size}:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def true_maximum(name: str, cap: int, guess: int) -> tuple[int, dict[int, list[bool]]]:
+    """Bisection with one plain process per batch, then the boundary to 3 runs each."""
+    runs: dict[int, list[bool]] = {}
+
+    def run(batch_size: int) -> bool:
+        fits = plain_trial(name, batch_size, cap)["fits"]
+        runs.setdefault(batch_size, []).append(fits)
+        print(f"    plain {name} B={batch_size}: {'fits' if fits else 'OOM'}", flush=True)
+        return fits
+
+    def first(batch_size: int) -> bool:
+        return runs[batch_size][0] if batch_size in runs else run(batch_size)
+
+    lo, hi = max(1, guess // 2), max(2, 2 * guess)
+    while not first(lo):
+        lo, hi = max(1, lo // 2), lo
+    while first(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if first(mid) else (lo, mid)
+
+    def every_time(batch_size: int) -> bool:
+        while len(runs.setdefault(batch_size, [])) < 3 and all(runs[batch_size]):
+            run(batch_size)
+        return all(runs[batch_size])
+
+    while lo > 1 and not every_time(lo):
+        lo -= 1
+    while len(runs.setdefault(lo + 1, [])) < 3:  # the flakiness above the truth
+        run(lo + 1)
+    if all(runs[lo + 1]):  # it fits every time after all: the truth is higher
+        return true_maximum(name, cap, lo + 1)
+    return lo, runs
+
+
+def run_search(name: str, cap: int, server) -> dict:
+    from batchfit.realrun.search import search_max_batch
+
+    spec = device.resolve(name)
+    start = time.perf_counter()
+    result = search_max_batch(spec, None, device="cpu", memory_cap_bytes=cap,
+                              steps_per_trial=device.STEPS, optimizer=device.OPTIMIZER,
+                              trial_server=server)
+    return {"answer": result.max_batch_size, "recommended": result.recommended_batch_size,
+            "wall_s": time.perf_counter() - start, "trials": len(result.trials),
+            "boundary": [list(b) for b in result.boundary]}
+
+
+def run_lightning(name: str, cap: int) -> dict:
+    payload = json.dumps({"method": "lightning-binsearch", "model": name, "cap": cap})
+    done = subprocess.run([sys.executable, peers.__file__, "--peer", payload],
+                          cwd=device.ROOT, env=plain_env(), capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        return {"answer": None, "wall_s": None, "trials": 0,
+                "error": (done.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    data = json.loads(done.stdout.strip().splitlines()[-1])
+    data["trials"] = len(data.get("trials", []))
+    return data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="cnn,gpt2-tiny,resnet18")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    from batchfit.realrun.trial_server import TrialServer, model_source, preloads_for
+
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    os.environ.pop("OMP_NUM_THREADS", None)
+    rows = []
+    for name in args.models.split(","):
+        cap = device.MODELS[name]["cap"]
+        print(f"{name}: cap {cap >> 20} MiB", flush=True)
+        spec = device.resolve(name)
+        with TrialServer(preloads_for(model_source(spec)[0]), env=plain_env()) as server:
+            searches = []
+            for _ in range(args.repeats):
+                searches.append(run_search(name, cap, server))
+                print(f"  search: {searches[-1]}", flush=True)
+        truth, runs = true_maximum(name, cap, searches[0]["answer"])
+        recommended = {r["recommended"] for r in searches}
+        rec_runs = {b: [plain_trial(name, b, cap)["fits"] for _ in range(3)] for b in recommended}
+        lightning = [run_lightning(name, cap) for _ in range(args.repeats)]
+        print(f"  truth {truth}; lightning {lightning}", flush=True)
+        walls = [s["wall_s"] for s in searches]
+        lwalls = [r["wall_s"] for r in lightning if r["wall_s"] is not None]
+        rows.append({
+            "model": name, "cap_mib": cap >> 20, "truth": truth,
+            "flaky": {str(b): f"{sum(v)}/{len(v)}" for b, v in sorted(runs.items())
+                      if b > truth and 0 < sum(v)},
+            "answers": [s["answer"] for s in searches],
+            "correct": sum(s["answer"] == truth for s in searches),
+            "recommended_fit": {str(b): f"{sum(v)}/{len(v)}" for b, v in rec_runs.items()},
+            "search_trials": [s["trials"] for s in searches],
+            "search_wall_s": statistics.median(walls),
+            "lightning_answers": [r["answer"] for r in lightning],
+            "lightning_trials": [r["trials"] for r in lightning],
+            "lightning_wall_s": statistics.median(lwalls) if lwalls else None,
+            "ratio": (statistics.median(walls) / statistics.median(lwalls)) if lwalls else None,
+            "boundaries": [s["boundary"] for s in searches],
+        })
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "search_user_process.json").write_text(json.dumps(rows, indent=2) + "\n")
+    lines = ["# The capped-CPU search against a plain fresh process (torch's defaults)", "",
+             f"AdamW, {device.STEPS} steps per trial; truth: the largest batch that fits in 3 of 3 "
+             "plain `python -c` processes (no MALLOC_MMAP_THRESHOLD_, no OMP_NUM_THREADS); "
+             f"batchfit's search with its defaults, {args.repeats} runs from a running trial "
+             "server; Lightning binsearch in one plain capped process (finder call timed).", "",
+             "| model | cap MiB | truth | flaky above (fits/runs) | batchfit answers | correct | "
+             "recommended fits (plain) | trials | wall s | Lightning answers | Lightning trials | "
+             "Lightning wall s | wall ratio |", "|" + "---|" * 13]
+    for r in rows:
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
+        lwall = f"{r['lightning_wall_s']:.1f}" if r["lightning_wall_s"] else "-"
+        lines.append(
+            f"| {r['model']} | {r['cap_mib']} | {r['truth']} | {r['flaky'] or 'none'} | "
+            f"{', '.join(map(str, r['answers']))} | {r['correct']}/{len(r['answers'])} | "
+            f"{r['recommended_fit']} | {', '.join(map(str, r['search_trials']))} | "
+            f"{r['search_wall_s']:.1f} | {r['lightning_answers']} | {r['lightning_trials']} | "
+            f"{lwall} | {ratio} |")
+    (RESULTS / "search_user_process.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
