@@ -61,6 +61,7 @@ class MemoryEstimate:
     largest_grid: tuple[int, str, str] = (0, "", "")  # (CUDA grid y/z extent, kernel, module)
     #: the launch nearest its kernel's hard limit (32-bit indexing, grid dimension)
     kernel_limit: KernelLimit | None = None
+    host_backed_bytes: int = 0  # paged optimizer state in unified memory, outside total_bytes
 
     def explain(self) -> str:
         """One sentence saying what dominates the peak."""
@@ -97,6 +98,7 @@ class MemoryEstimate:
                 "kind": self.kernel_limit.kind.value, "measure": self.kernel_limit.measure,
                 "limit": self.kernel_limit.limit, "op": self.kernel_limit.op,
                 "kernel": self.kernel_limit.kernel, "module": self.kernel_limit.module},
+            "host_backed_bytes": self.host_backed_bytes,
         }
         if timeline:
             data["timeline"] = self.timeline.to_dict()
@@ -141,7 +143,7 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
 def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) -> MemoryEstimate:
     """Turn a trace into an estimate on ``device``."""
     steady = replay_events(trace.steady_events, device)
-    overhead = device.context_bytes
+    overhead = device.outside_allocator_bytes
     if trace.first_events is trace.steady_events:
         first_peak: int | None = steady.peak_reserved_bytes + overhead
     elif first_step:
@@ -162,4 +164,5 @@ def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) 
         parameter_count=trace.parameter_count,
         trainable_parameter_count=trace.trainable_parameter_count, warnings=warnings,
         largest_tensor=trace.largest_tensor, largest_grid=trace.largest_grid,
-        kernel_limit=trace.kernel_limit)
+        kernel_limit=trace.kernel_limit,
+        host_backed_bytes=trace.host_backed_bytes)

@@ -87,6 +87,7 @@ class ModelSpec:
         default_seq_len: the model's default sequence length (``input_spec`` holds the one
             in use, after any ``seq_len`` override).
         hf_labels: the batch carries ``labels`` so the HF model computes its own loss.
+        max_positions: the model's context length from its config (HF models).
         keras_compiled: for a Keras 3 model, whether its factory compiles it (its own
             optimizer and loss are then used); None for other models.
     """
@@ -99,6 +100,7 @@ class ModelSpec:
     vocab_size: int | None = None
     default_seq_len: int | None = None
     hf_labels: bool = False
+    max_positions: int | None = None
     keras_compiled: bool | None = None
 
 
@@ -131,7 +133,7 @@ _SPEC_FORMS = "use timm:NAME, torchvision:NAME, hf:NAME or path/to/file.py:facto
 
 def resolve_model(spec: str, *, model_kwargs: Mapping[str, Any] | None = None,
                   seq_len: int | None = None,
-                  input_shape: tuple[int, ...] | None = None) -> ModelSpec:
+                  input_shape: tuple[int, ...] | None = None, packing: bool = False) -> ModelSpec:
     """Resolve a model string into a :class:`ModelSpec` without building anything for real.
 
     Args:
@@ -141,6 +143,8 @@ def resolve_model(spec: str, *, model_kwargs: Mapping[str, Any] | None = None,
             user factory (see :func:`parse_model_kwargs`).
         seq_len: sequence length of a token model (overrides its default).
         input_shape: per-sample input shape of a non-token model (overrides its default).
+        packing: token models: several documents per row, given to the model as
+            ``position_ids`` that restart per document (TRL's ``padding_free`` packing).
 
     Raises:
         ModelSpecError: the spec names no model, or a needed package is missing.
@@ -179,7 +183,19 @@ def resolve_model(spec: str, *, model_kwargs: Mapping[str, Any] | None = None,
         resolved = _resolve_hf(text, rest.strip(), kwargs, seq_len)
     else:
         resolved = _resolve_bare(text, kwargs, seq_len, input_shape)
-    return _apply_input_overrides(resolved, seq_len, input_shape)
+    resolved = _apply_input_overrides(resolved, seq_len, input_shape)
+    return _with_packing(resolved) if packing else resolved
+
+
+def _with_packing(spec: ModelSpec) -> ModelSpec:
+    """Add ``position_ids`` (one per token, the sequence's length long) to a token model's
+    inputs: the values (where documents restart) set no shape, so any layout traces alike."""
+    if not spec.is_token_model or not isinstance(spec.input_spec, Mapping):
+        raise InvalidInputError(
+            f"--packing applies to Hugging Face token models; '{spec.name}' is not one")
+    tokens = _token_tensor(spec.input_spec)
+    positions = TensorSpec(tokens.shape, "int64", low=0, high=tokens.shape[0])
+    return replace(spec, input_spec={**spec.input_spec, "position_ids": positions})
 
 
 def parse_model_kwargs(items: Sequence[str]) -> dict[str, Any]:
@@ -440,6 +456,34 @@ def _resolve_hf(user_spec: str, name: str, kwargs: dict[str, Any],
     return _hf_spec(user_spec, source, kwargs, seq_len)
 
 
+def load_hf_config(name: str, model_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """The transformers config of ``hf:NAME`` (offline table or local directory), with
+    ``model_kwargs`` overrides, without building the model.
+
+    Example:
+        >>> load_hf_config("Meta-Llama-3-8B").num_key_value_heads
+        8
+    """
+    name = str(name).strip().removeprefix("hf:")
+    source = _hf_source(name)
+    if source is None:
+        raise _unknown_hf_error(name)
+    kwargs = dict(model_kwargs or {})
+    for key in _RESERVED_HF_KWARGS:
+        kwargs.pop(key, None)
+    return _hf_config(_import_optional("transformers"), source, kwargs)
+
+
+def checkpoint_dtype(name: str) -> str | None:
+    """The dtype ``hf:NAME``'s checkpoint is stored in (its config's ``torch_dtype``), which a
+    serving engine loads it in; None when the config does not say."""
+    source = _hf_source(str(name).strip().removeprefix("hf:"))
+    if source is None:
+        raise _unknown_hf_error(name)
+    value = source.config.get("torch_dtype") or source.config.get("dtype")
+    return str(value).removeprefix("torch.") if value else None
+
+
 def _hf_spec(user_spec: str, source: _HFSource, kwargs: dict[str, Any],
              seq_len: int | None) -> ModelSpec:
     transformers = _import_optional("transformers")
@@ -459,7 +503,7 @@ def _hf_spec(user_spec: str, source: _HFSource, kwargs: dict[str, Any],
     return ModelSpec(name=user_spec, factory=factory,
                      input_spec=_hf_input_spec(config, task, vocab_size, default_len),
                      is_token_model=True, vocab_size=vocab_size, default_seq_len=default_len,
-                     hf_labels=True)
+                     hf_labels=True, max_positions=_max_positions(config))
 
 
 def _hf_config(transformers: Any, source: _HFSource, overrides: Mapping[str, Any]) -> Any:
@@ -570,7 +614,8 @@ def _build_hf(config: Any, task: HFTask, attn: str | None) -> nn.Module:
     try:
         return auto.from_config(config, attn_implementation=attn, **dtype_kwarg)
     except ValueError as exc:
-        if attn != "sdpa" or "sdpa" not in str(exc).lower():
+        text = str(exc).lower()
+        if attn != "sdpa" or ("sdpa" not in text and "scaled_dot_product" not in text):
             raise
     return auto.from_config(config, attn_implementation="eager", **dtype_kwarg)
 
