@@ -129,8 +129,12 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10,
         if needed < max(reserved):
             allocated, reserved = _replay_cuda(looped, device.workspace_bytes, needed)
         peak_reserved = max(reserved)
-        allocated = [allocated[i] for i in mapping]
         reserved = [reserved[i] for i in mapping]
+        if loop:
+            # The breakdown is taken where the step's own allocated memory peaks: the second
+            # step can be handed cached blocks whole (unsplit), which moves its allocated
+            # peak to another op although the same tensors are alive.
+            allocated = _replay_cuda(events, device.workspace_bytes, None)[0]
         reserved[max(range(len(reserved)), key=reserved.__getitem__)] = peak_reserved
     else:
         allocated = reserved = _replay_cpu(events)
