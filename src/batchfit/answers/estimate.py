@@ -17,6 +17,7 @@ from torch import nn
 
 from batchfit.device.profile import DeviceProfile, resolve_device
 from batchfit.device.timeline import ModuleMemory, Timeline, needed_bytes, replay_events
+from batchfit.engine.limits import KernelLimit
 from batchfit.engine.spec import TrainConfig, make_config
 from batchfit.engine.trace import Category, Phase, StepTrace, TraceReuse, trace_step
 
@@ -58,6 +59,8 @@ class MemoryEstimate:
     warnings: tuple[str, ...] = ()
     largest_tensor: tuple[int, str, str] = (0, "", "")  # (elements, op, module)
     largest_grid: tuple[int, str, str] = (0, "", "")  # (CUDA grid y/z extent, kernel, module)
+    #: the launch nearest its kernel's hard limit (32-bit indexing, grid dimension)
+    kernel_limit: KernelLimit | None = None
     host_backed_bytes: int = 0  # paged optimizer state in unified memory, outside total_bytes
 
     def explain(self) -> str:
@@ -91,6 +94,10 @@ class MemoryEstimate:
             "warnings": list(self.warnings),
             "largest_tensor_elements": self.largest_tensor[0],
             "largest_grid_dim": self.largest_grid[0],
+            "kernel_limit": None if self.kernel_limit is None else {
+                "kind": self.kernel_limit.kind.value, "measure": self.kernel_limit.measure,
+                "limit": self.kernel_limit.limit, "op": self.kernel_limit.op,
+                "kernel": self.kernel_limit.kernel, "module": self.kernel_limit.module},
             "host_backed_bytes": self.host_backed_bytes,
         }
         if timeline:
@@ -128,7 +135,7 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
         4198400
     """
     config = make_config(config, options)
-    profile = resolve_device(device)
+    profile = resolve_device(device).for_stack(config.resolved_stack)
     trace = trace_step(model, inputs, batch_size, config, profile, reuse)
     return summarize(trace, profile, first_step=first_step)
 
@@ -140,7 +147,7 @@ def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) 
     if trace.first_events is trace.steady_events:
         first_peak: int | None = steady.peak_reserved_bytes + overhead
     elif first_step:
-        first_peak = needed_bytes(trace.first_events, device) + overhead
+        first_peak = needed_bytes(trace.first_events, device, loop=False) + overhead
     else:
         first_peak = None
     warnings = tuple(
@@ -157,4 +164,5 @@ def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) 
         parameter_count=trace.parameter_count,
         trainable_parameter_count=trace.trainable_parameter_count, warnings=warnings,
         largest_tensor=trace.largest_tensor, largest_grid=trace.largest_grid,
+        kernel_limit=trace.kernel_limit,
         host_backed_bytes=trace.host_backed_bytes)

@@ -54,6 +54,13 @@ CkptOpt = typer.Option(None, "--checkpointing/--no-checkpointing",
                        help="activation checkpointing (default off; on with --quant, as peft's "
                        "prepare_model_for_kbit_training does)")
 ClOpt = typer.Option(False, "--channels-last", help="channels-last memory format")
+StackOpt = typer.Option(None, "--stack",
+                        help="torch and CUDA versions the step runs on, e.g. torch2.4+cu124 "
+                             "(default: the installed torch)")
+TorchVerOpt = typer.Option(None, "--torch-version", help="torch version, e.g. 1.12 or 2.4")
+CudaVerOpt = typer.Option(None, "--cuda-version", help="CUDA version of that torch, e.g. 11.3")
+CudnnBenchOpt = typer.Option(False, "--cudnn-benchmark",
+                             help="the script sets torch.backends.cudnn.benchmark = True")
 OverheadOpt = typer.Option(
     None, "--overhead",
     help="memory outside the tensors, e.g. 600MiB: the CUDA context (GPU), or the CPU runtime's "
@@ -163,6 +170,19 @@ def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
     return profile, memory_bytes
 
 
+def _stack_settings(stack: str | None, torch_version: str | None, cuda_version: str | None,
+                    cudnn_benchmark: bool) -> dict[str, Any]:
+    """TrainConfig fields for the stack options (checked now: a bad version is one line)."""
+    settings: dict[str, Any] = {"cudnn_benchmark": cudnn_benchmark}
+    if stack is not None or torch_version is not None or cuda_version is not None:
+        from batchfit.engine.stack import Stack
+
+        settings["stack"] = Stack.parse(stack=stack, torch_version=torch_version,
+                                        cuda_version=cuda_version)
+    return settings
+
+
+
 @dataclass(frozen=True)
 class LlmArgs:
     """The LLM options of ``estimate`` and ``max`` (README, "LLM fine-tuning")."""
@@ -205,7 +225,7 @@ def _parallel(world_size: int | None, strategy: str | None, offload: str, tp: in
 def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str,
            optimizer: str | None, precision: str | None, checkpointing: bool | None,
            channels_last: bool, model_kwargs: list[str] | None,
-           llm: LlmArgs | None = None) -> tuple[Any, Any, Any]:
+           llm: LlmArgs | None = None, **settings: Any) -> tuple[Any, Any, Any]:
     from dataclasses import replace
 
     from batchfit.engine.spec import TrainConfig, parse_optimizer
@@ -224,7 +244,7 @@ def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str,
         precision=parse_enum(Precision, precision, "precision"),
         checkpointing=checkpointing, channels_last=channels_last,
         lora=llm.lora, quant=llm.quant, loss=llm.loss, grad_accum_steps=llm.grad_accum,
-        use_reentrant=llm.use_reentrant,
+        use_reentrant=llm.use_reentrant, **settings,
         # flash attention takes packed rows as varlen sequences and builds no mask
         packing=llm.packing and _ATTN.get((llm.attn or "sdpa").strip().lower()) != "flash")
     if config.quant is not None and config.lora is None and config.mode is Mode.TRAIN:
@@ -289,6 +309,8 @@ def estimate_cmd(
     mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
     checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
+    stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
+    cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
     lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
@@ -303,6 +325,7 @@ def estimate_cmd(
         if batch_size < 1:
             raise InvalidInputError(f"--batch-size must be a positive integer, not {batch_size}")
         _check_plot(plot)
+        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark)
         if memory is not None and not gpu:
             raise InvalidInputError(
                 "estimate --memory goes with --gpu NAME, as that card's memory; an estimate "
@@ -310,10 +333,13 @@ def estimate_cmd(
         parallel, nccl = _parallel(world_size, strategy, offload, tp, nodes, rank, wrap,
                                    nccl_memory)
         profile, _ = _resolve_device(gpu, device, memory, overhead, need_budget=False)
+        if "stack" in settings:
+            profile.for_stack(settings["stack"])
         with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
             llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
-                                          checkpointing, channels_last, model_kwargs, llm)
+                                          checkpointing, channels_last, model_kwargs, llm,
+                                          **settings)
             _check_attn(llm, config, profile)
             if parallel is None:
                 from batchfit.answers.estimate import estimate
@@ -353,6 +379,8 @@ def max_cmd(
     batch_size: Optional[int] = typer.Option(
         None, "--batch-size", "-b",
         help="token models: fix the batch and find the longest --seq-len that fits"),
+    stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
+    cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
     lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
@@ -378,13 +406,17 @@ def max_cmd(
         if max_limit < 1:
             raise InvalidInputError("--max-batch-limit must be positive")
         _check_plot(plot)
+        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark)
         profile, memory_bytes = _resolve_device(gpu, device, memory, overhead, need_budget=True)
+        if "stack" in settings:  # the stack's context must leave room (checked before tracing)
+            profile.for_stack(settings["stack"])
         if not profile.is_cuda and memory_bytes is None:
             raise InvalidInputError("--device cpu needs --memory SIZE as the budget")
         with _progress(not as_json, f"resolving {model}...") as status:
             llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
-                                          checkpointing, channels_last, model_kwargs, llm)
+                                          checkpointing, channels_last, model_kwargs, llm,
+                                          **settings)
             _check_attn(llm, config, profile)
             if not profile.is_cuda and overhead is None:
                 if status is not None:

@@ -31,6 +31,12 @@ from batchfit._gc import old_objects_frozen
 from batchfit.engine import _torch_internals as ti
 from batchfit.engine.kernels import (decomposition_for, is_outputs_only, scalar_reads_allowed,
                                      scratch_for, size_fix_for)
+from batchfit.engine.cudnn import benchmark_workspace_bytes, is_routed_to_cudnn
+from batchfit.engine.limits import RULES as LIMIT_RULES
+from batchfit.engine.limits import KernelLimit, attention_grid, check_op, worst
+
+#: The ops a benchmarked cuDNN convolution's workspace is modelled for (engine/cudnn.py).
+_CONVOLUTIONS = frozenset({"aten.convolution.default", "aten.convolution_backward.default"})
 
 
 class Category(StrEnum):
@@ -127,7 +133,8 @@ class Tracer:
 
     def __init__(self, in_op_scratch: bool = False, cuda_target: bool = False,
                  device_type: str | None = None, device: Any = None,
-                 fake_mode: Any = None) -> None:
+                 fake_mode: Any = None, stack: Any = None,
+                 cudnn_benchmark: tuple[int, int] | None = None) -> None:
         self.events: list[Event] = []
         self.fake_mode = fake_mode
         self.observers: list[Any] = []
@@ -151,6 +158,11 @@ class Tracer:
         self.failed_module: str | None = None
         self.custom_ops: dict[str, str] = {}  # op -> module where first seen
         self.largest: tuple[int, str, str] = (0, "", "")  # (numel, op, module) of the largest output
+        #: the launch nearest its kernel's hard limit (CUDA targets: a stack is given)
+        self.kernel_limit: KernelLimit | None = None
+        self._stack = stack if cuda_target else None
+        #: the target's compute capability when convolutions run cuDNN's benchmark mode
+        self._cudnn_benchmark = cudnn_benchmark if cuda_target else None
         self._interceptor = ti.OpInterceptor(self._on_output, self._on_error,
                                              shortcut=self._shortcut, run=self._run)
         self._hooks: list[Any] = []
@@ -337,6 +349,13 @@ class Tracer:
             numel = tensor.numel()
             if numel > self.largest[0]:
                 self.largest = (numel, op, module)
+        if self._stack is not None and (name := str(func)) in LIMIT_RULES:
+            outputs = [t for t in ti.iter_tensors(out) if isinstance(t, torch.Tensor)]
+            where = module if module is not None else self.current_module()
+            self.kernel_limit = worst(self.kernel_limit, check_op(
+                name, args, outputs, self._stack, where))
+            if self._cudnn_benchmark is not None and name in _CONVOLUTIONS:
+                self._add_cudnn_workspace(name, args, outputs, where)
         scratch = scratch_for(func) if self.in_op_scratch else None
         if scratch is not None and (nbytes := scratch(args)) > 0:
             uid = next(_UIDS)
@@ -344,6 +363,17 @@ class Tracer:
             for kind in (EventKind.ALLOC, EventKind.FREE):
                 self.events.append(Event(kind, uid, nbytes, Category.TEMPORARIES, where or "",
                                          str(func), self.phase))
+
+    def _add_cudnn_workspace(self, name: str, args: tuple, outputs: list[torch.Tensor],
+                             where: str) -> None:
+        """A benchmarked cuDNN convolution's workspace: allocated and freed in the call."""
+        routed = is_routed_to_cudnn(name, args, self._stack)
+        nbytes = benchmark_workspace_bytes(name, args, outputs, self._cudnn_benchmark, routed)
+        if nbytes > 0:
+            uid = next(_UIDS)
+            for kind in (EventKind.ALLOC, EventKind.FREE):
+                self.events.append(Event(kind, uid, nbytes, Category.TEMPORARIES, where,
+                                         f"cudnn workspace ({name})", self.phase))
 
     def _category_for(self, func: Any, args: tuple) -> Category:
         if self.category_rule is not None and (ruled := self.category_rule(func)) is not None:
@@ -455,6 +485,8 @@ class StepTrace:
     trainable_parameter_count: int
     largest_tensor: tuple[int, str, str] = (0, "", "")  # (elements, op, module)
     largest_grid: tuple[int, str, str] = (0, "", "")  # (grid y/z extent, kernel, module)
+    #: the launch nearest its kernel's hard limit (:mod:`batchfit.engine.limits`)
+    kernel_limit: KernelLimit | None = None
     host_backed_bytes: int = 0  # paged optimizer state: unified memory, not device memory
 
 
@@ -681,6 +713,8 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
     precision = config.precision
     float_dtype = None if precision.weight_dtype == "float32" else torch_dtype(precision.weight_dtype)
     training = config.mode is Mode.TRAIN
+    stack = config.resolved_stack
+    grads_to_none = config.zero_grad_to_none
     fake_mode = ti.new_fake_mode()
     if workload is not None and workload.loss.value == "chunked" and not device.is_cuda:
         raise InvalidInputError(
@@ -694,7 +728,9 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
     with ti.preserved_global_state(), session:
         scratch = not device.is_cuda and getattr(device, "kernel_scratch", True)
         tracer = Tracer(in_op_scratch=scratch, cuda_target=device.is_cuda, device=device,
-                        fake_mode=fake_mode)
+                        fake_mode=fake_mode, stack=stack,
+                        cudnn_benchmark=device.compute_capability
+                        if config.cudnn_benchmark else None)
         quant_state: list[torch.Tensor] = []
         if transform is not None:
             source = base
@@ -738,7 +774,10 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
 
             amp = precision.autocast_dtype
             emulation = CudaEmulation(device.compute_capability,
-                                      autocast_dtype=torch_dtype(amp) if amp else None)
+                                      autocast_dtype=torch_dtype(amp) if amp else None,
+                                      cudnn_version=stack.cudnn_version,
+                                      fused_attention=stack.has_sdpa,
+                                      softmax_saves_input=stack.softmax_saves_input)
             autocast = emulation.autocast_region if amp else None
             emulation.where = tracer.current_module
         elif precision.autocast_dtype:
@@ -748,7 +787,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             autocast = None
         with fake_mode:
             runner = StepRunner(twin, config, batch, autocast=autocast,
-                                foreach=True if device.is_cuda else False,
+                                foreach=stack.foreach_default if device.is_cuda else False,
                                 on_phase=lambda name: setattr(tracer, "phase", Phase(name)),
                                 generator=generator,
                                 on_paged=tracer.host_backed if device.is_cuda else None)
@@ -763,7 +802,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             with fake_mode, emulation_ctx, tracer, _library_context(config, device):
                 if transform is not None:
                     transform.attach(runner, tracer)
-                whole_steps = training and (not config.grads_to_none or (
+                whole_steps = training and (not grads_to_none or (
                     transform is not None and transform.whole_steps))
                 if transform is not None and whole_steps:
                     for index in range(2):  # the first creates state, the second is steady
@@ -771,10 +810,11 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                         runner.train_step()
                         _retag_optimizer_state(runner, tracer)
                         marks.append(len(tracer.events))
-                elif training and not config.grads_to_none:
+                elif training and not grads_to_none:
                     # gradients survive into the next step: trace two whole steps
                     runner.forward_backward()
                     runner.optimizer_step()
+                    _retag_optimizer_state(runner, tracer)
                     marks.append(len(tracer.events))
                     runner.train_step()
                 elif training:
@@ -833,8 +873,19 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad),
         largest_tensor=tracer.largest,
         largest_grid=emulation.largest_grid if emulation is not None else (0, "", ""),
+        kernel_limit=_kernel_limit(tracer, emulation),
         host_backed_bytes=host_backed)
     return transform.finish(traced) if transform is not None else traced
+
+
+def _kernel_limit(tracer: Tracer, emulation: Any) -> KernelLimit | None:
+    """The launch nearest its limit: a traced op's, or a fused attention grid's."""
+    found = tracer.kernel_limit
+    if emulation is not None and emulation.largest_grid[0]:
+        extent, kernel, module = emulation.largest_grid
+        backend = kernel.partition("(")[2].rstrip(")") or kernel
+        found = worst(found, attention_grid(extent, backend, module))
+    return found
 
 
 def _library_context(config: Any, device: Any) -> Any:
@@ -927,7 +978,7 @@ def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: An
                          device_type="meta" if device.is_cuda else None, device=device)
     try:
         runner = StepRunner(nn.ParameterList(twins), config, ((), {}),
-                            foreach=bool(device.is_cuda),
+                            foreach=bool(device.is_cuda) and config.resolved_stack.foreach_default,
                             on_phase=lambda name: setattr(meta_tracer, "phase", Phase(name)),
                             on_paged=meta_tracer.host_backed if device.is_cuda else None)
     except Exception:  # noqa: BLE001 - the fake twin's trace reports it
