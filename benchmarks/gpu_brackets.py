@@ -53,7 +53,6 @@ import select
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable

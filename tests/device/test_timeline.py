@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from batchfit.device.profile import DeviceProfile
 from batchfit.device.timeline import fits_within, loop_events, needed_bytes, replay_events
-from batchfit.engine.trace import Category, Event, EventKind, Phase
+from batchfit.engine.tracer import Category, Event, EventKind, Phase
 
 MiB = 1 << 20
 DEV = DeviceProfile.cuda(80 * 1024 * MiB, (8, 0), context_bytes=0, workspace_bytes=0)

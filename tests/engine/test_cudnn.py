@@ -11,7 +11,8 @@ from torch import nn
 import batchfit
 from batchfit.engine.cudnn import benchmark_workspace_bytes
 from batchfit.engine.spec import TrainConfig
-from batchfit.engine.trace import EventKind, trace_step
+from batchfit.engine.trace import trace_step
+from batchfit.engine.tracer import EventKind
 
 F16 = torch.float16
 CONV = "aten.convolution.default"

@@ -151,7 +151,8 @@ def test_torch_1_10_softmax_keeps_its_input():
     # until softmax's backward; from 1.11 nothing refers to them after softmax, so they
     # die in forward. The fp32 softmax output is saved on both.
     from batchfit.engine.spec import TrainConfig
-    from batchfit.engine.trace import EventKind, Phase, trace_step
+    from batchfit.engine.trace import trace_step
+    from batchfit.engine.tracer import EventKind, Phase
 
     class Scores(nn.Module):
         def __init__(self):

@@ -19,7 +19,8 @@ from batchfit.device.profile import DeviceProfile, resolve_device
 from batchfit.device.timeline import ModuleMemory, Timeline, needed_bytes, replay_events
 from batchfit.engine.limits import KernelLimit
 from batchfit.engine.spec import TrainConfig, make_config
-from batchfit.engine.trace import Category, Phase, StepTrace, TraceReuse, trace_step
+from batchfit.engine.trace import StepTrace, TraceReuse, trace_step
+from batchfit.engine.tracer import Category, Phase
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class MemoryEstimate:
             context; CPU: the runtime's overhead, if the profile has one).
         first_step_peak_bytes: the same total for the first step (optimizer state is created);
             None when not computed.
-        by_category: bytes by :class:`~batchfit.engine.trace.Category` at the peak; sums to total_bytes.
+        by_category: bytes by :class:`~batchfit.engine.tracer.Category` at the peak; sums to total_bytes.
         peak_phase, peak_op, peak_module: where the peak happens.
         top_modules: modules holding the most activation/temporary memory at the peak.
         timeline: the per-event timeline of the step.

@@ -41,7 +41,8 @@ from batchfit.answers.tracepool import TracePool
 from batchfit.device.profile import DeviceProfile, resolve_device
 from batchfit.device.timeline import fits_within, needed_bytes, peak_live_bytes
 from batchfit.engine.spec import TensorSpec, TrainConfig, make_config
-from batchfit.engine.trace import Event, StepTrace, TraceReuse, trace_step
+from batchfit.engine.trace import StepTrace, TraceReuse, trace_step
+from batchfit.engine.tracer import Event
 from batchfit.errors import InvalidInputError
 
 #: The largest batch size the solver will report (tiny models fit absurd batches).

@@ -23,7 +23,8 @@ from typing import Any, Sequence
 
 from batchfit.device.allocator import AllocatorOutOfMemory, CachingAllocator
 from batchfit.device.profile import DeviceProfile
-from batchfit.engine.trace import Category, Event, EventKind, Phase, alive_at_end
+from batchfit.engine.trace import alive_at_end
+from batchfit.engine.tracer import Category, Event, EventKind, Phase
 
 _WORKSPACE_KEY = -1
 _SEGMENT_UNIT = 2 * 1024 * 1024  # every segment is a multiple of this

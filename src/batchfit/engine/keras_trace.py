@@ -1,5 +1,5 @@
 """Trace a Keras 3 model's step (torch backend): Keras's own ``train_step`` on its
-variables rebound to fake tensors, recorded by the same :class:`~batchfit.engine.trace.Tracer`
+variables rebound to fake tensors, recorded by the same :class:`~batchfit.engine.tracer.Tracer`
 as a torch step. :func:`batchfit.engine.trace.trace_step` hands a Keras model here; the
 Keras-specific pieces (building on meta, rebinding variables, the step runner, layer
 names) are in :mod:`batchfit.engine.keras_step`.
@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from batchfit.engine import _torch_internals as ti
-from batchfit.engine.trace import Category, Phase, StepTrace, Tracer, TraceReuse, _translate_error
+from batchfit.engine.trace import StepTrace, TraceReuse, _translate_error
+from batchfit.engine.tracer import Category, Phase, Tracer
 
 
 def prepared_keras(base: Any, is_users: bool, inputs: Any, config: Any,

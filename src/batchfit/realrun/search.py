@@ -579,7 +579,8 @@ class _CpuSearch(_Search):
         the line is solved for the cap. Below 32 the peak need not be affine (it can sit
         in the optimizer step), so there :func:`batchfit.max_batch_size` solves exactly."""
         from batchfit.answers.estimate import estimate
-        from batchfit.engine.trace import Category, TraceReuse
+        from batchfit.engine.trace import TraceReuse
+        from batchfit.engine.tracer import Category
 
         if self.rendezvous is not None:
             # the trials find the boundary from batch 1 up; the per-rank prediction is
