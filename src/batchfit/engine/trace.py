@@ -1,18 +1,10 @@
-"""Trace one step on fake tensors: every storage allocation and free, tagged with its
-category, module, op and phase (recorded by :class:`batchfit.engine.tracer.Tracer`).
+"""Trace one step on fake tensors: build the fake twin of the model (or hand a Keras model
+to :mod:`batchfit.engine.keras_trace`, a sharded rank to its :class:`StepTransform`), run
+the step under :class:`batchfit.engine.tracer.Tracer`, which records every storage
+allocation and free with its category, module, op and phase, and split the events into
+the first step and the steady one (:class:`StepTrace`).
 
-The tracer watches storages, not tensors: views share their base's storage, and a
-storage is freed when its last tensor dies (a weakref callback on the storage).
-Parameters, buffers, inputs and optimizer state are registered up front; every
-other storage is created by an aten op seen by a dispatch mode below autograd, so
-the tensors autograd saves for backward are exactly the ones still alive.
-
-Known limitations:
-    * Memory allocated inside a kernel and freed before it returns (library
-      workspaces, oneDNN scratch) is invisible; on CUDA it is modelled in
-      :mod:`batchfit.device.profile` as a fixed workspace.
-    * Custom ops with a fake implementation are traced by their outputs only; a
-      warning names them.
+Known limitations: see :mod:`batchfit.engine.tracer`.
 """
 
 from __future__ import annotations
