@@ -24,16 +24,16 @@ import datetime
 import functools
 import json
 import os
-import socket
 import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from capped_models import Broadcast
 from torch import nn
+
+from capped_models import Broadcast
+from gloo_ranks import run_ranks, scenario_results
 
 MIB = 1 << 20
 WORLD_SIZE = 2
@@ -195,42 +195,16 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # --------------------------------------------------------------------------- the tests
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("ranks")
-    context = mp.spawn(_rank_main, args=(_free_port(), str(out_dir)), nprocs=WORLD_SIZE,
-                       join=False)
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {RUN_TIMEOUT_S} s (a hang)")
-    results = []
-    for rank in range(WORLD_SIZE):
-        with open(out_dir / f"rank{rank}.json") as saved:
-            results.append(json.load(saved))
-    return results
-
-
-def _scenario(ranks: list[dict], name: str) -> list[dict]:
-    found = [r[name] for r in ranks]
-    for rank, result in enumerate(found):
-        assert "crashed" not in result, f"rank {rank}:\n{result['crashed']}"
-    return found
+    return run_ranks(_rank_main, tmp_path_factory.mktemp("ranks"), WORLD_SIZE, RUN_TIMEOUT_S)
 
 
 def test_ranks_agree_on_the_smaller_ranks_maximum_with_a_fake_oom(ranks):
-    zero, one = _scenario(ranks, "fake_oom")
+    zero, one = scenario_results(ranks, "fake_oom")
     assert zero["max"] == one["max"] == min(LIMITS) == AGREED
     assert zero["limiting_rank"] == one["limiting_rank"] == 1
     assert zero["world_size"] == one["world_size"] == WORLD_SIZE
@@ -243,7 +217,7 @@ def test_ranks_agree_on_the_smaller_ranks_maximum_with_a_fake_oom(ranks):
 
 
 def test_ranks_agree_under_real_memory_caps(ranks):
-    zero, one = _scenario(ranks, "real_cap")
+    zero, one = scenario_results(ranks, "real_cap")
     # 64 MiB / 12 MiB per sample = 5.33: rank 1 fits 5 with 4 MiB to spare.
     assert zero["max"] == one["max"] == AGREED
     assert zero["limiting_rank"] == one["limiting_rank"] == 1
@@ -253,12 +227,12 @@ def test_ranks_agree_under_real_memory_caps(ranks):
 
 
 def test_ddp_model_is_searched_through_its_wrapped_module(ranks):
-    zero, one = _scenario(ranks, "ddp_capped")
+    zero, one = scenario_results(ranks, "ddp_capped")
     assert zero["max"] == one["max"] == AGREED
 
 
 def test_in_process_trials_of_a_ddp_model_never_wait_in_ddps_all_reduce(ranks):
-    zero, one = _scenario(ranks, "ddp_in_process")
+    zero, one = scenario_results(ranks, "ddp_in_process")
     assert zero["max"] == one["max"] == AGREED
     assert dict(zero["trials"])[AGREED + 1] and not dict(one["trials"])[AGREED + 1]
     assert zero["restored"] and one["restored"]
@@ -266,14 +240,14 @@ def test_in_process_trials_of_a_ddp_model_never_wait_in_ddps_all_reduce(ranks):
 
 
 def test_an_error_on_one_rank_is_raised_on_every_rank(ranks):
-    zero, one = _scenario(ranks, "error")
+    zero, one = scenario_results(ranks, "error")
     assert one["raised"] == "ValueError" and "broken" in one["message"]
     assert zero["raised"] == "TrialError"
     assert "rank 1" in zero["message"] and "broken" in zero["message"]
 
 
 def test_a_bad_argument_on_one_rank_is_raised_on_every_rank(ranks):
-    zero, one = _scenario(ranks, "bad_argument")
+    zero, one = scenario_results(ranks, "bad_argument")
     assert one["raised"] == "InvalidInputError" and "memory cap" in one["message"]
     assert zero["raised"] == "TrialError"
     assert "rank 1" in zero["message"] and "arguments" in zero["message"]
