@@ -424,6 +424,32 @@ def test_answers_below_the_traced_sizes_are_interpolated_too(memory_mib, below):
     assert result.traces == 4
 
 
+@pytest.mark.parametrize("memory_mib, answer", [(570, 0), (600, 1), (640, 2), (760, None)])
+def test_a_small_answer_is_settled_by_the_first_pair(memory_mib, answer):
+    # fit_batches=(1, 2) (the CLI's choice for LLM workloads): batches 1 and 2 are traced
+    # first; 1 fitting and 2 not is the answer in those 2 traces; when 2 fits, the step
+    # is interpolated from 2 and 3; the answer is the one the default search confirms.
+    # At 512x512 batch 1 needs 63.75 MiB and batch 2 103.75 MiB beyond 528.25 MiB of
+    # context and workspace.
+    gpu = DeviceProfile.cuda(memory_mib * MIB, (7, 5))
+    inputs = (3, 512, 512)
+    run = lambda **kw: max_batch_size(cnn, inputs, device=gpu, precision="amp-fp16", **kw)
+    if answer == 0:
+        with pytest.raises(DoesNotFitError):
+            run(fit_batches=(1, 2))
+        return
+    first_pair, default = run(fit_batches=(1, 2)), run()
+    assert first_pair.max_batch_size == default.max_batch_size
+    assert first_pair.total_bytes_at_max == default.total_bytes_at_max
+    assert [b for b, _ in first_pair.evaluated][:2] == [1, 2]
+    if answer is not None:
+        assert first_pair.max_batch_size == answer
+    if answer == 1:
+        assert first_pair.traces == 2
+    assert _boundary_holds(cnn, inputs, first_pair.budget_bytes, first_pair.max_batch_size, gpu,
+                           precision="amp-fp16")
+
+
 def test_nothing_fits_a_card_smaller_than_batch_one():
     gpu = DeviceProfile.cuda(540 * MIB, (7, 5))  # batch 1 needs 552 MiB in all
     with pytest.raises(DoesNotFitError) as info:

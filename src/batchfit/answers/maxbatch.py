@@ -185,9 +185,11 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         on_trace: called with each batch size before it is traced (progress display).
         fit_batches: the two batch sizes traced first to interpolate the step (default 16
             and 32). A workload whose answer is likely small (LLM fine-tuning at long
-            context: the weights fill the card) saves traces with ``(2, 3)``, since
-            the confirming pair is then the pair already traced (batch 1 cannot pair with
-            2 for LLMs: its trace has two ops fewer).
+            context: the weights fill the card) saves traces with ``(1, 2)``: that pair
+            is traced first (as one round of the pool) and settles an answer of 0 or 1 at
+            once (batch 2 over the budget: it is the confirming pair); when batch 2 fits,
+            the step is interpolated from 2 and 3 (batch 1 cannot pair with 2 for LLMs:
+            its trace has one clone fewer, so its events are not affine with theirs).
         parallel: a :class:`batchfit.sharding.Parallelism`: the answer is the per-GPU
             (micro-)batch that fits every rank; ``binding_rank`` names the rank that
             limits it (:mod:`batchfit.answers.ranks`).
@@ -328,6 +330,16 @@ def _answer_from_interpolation(peak: Callable[[int], int], prefetch: Callable[..
     says so), or the range is too small.
     """
     small, large = fit_batches
+    if small == 1 and limit > large:
+        # the confirming pair of a small answer first: 1 fits and 2 does not ends the
+        # search; 1 over the budget leaves it to the solver, which raises NothingFits
+        # from the cached trace; else interpolate from 2 and 3 (see max_batch_size)
+        prefetch(1, large)
+        if peak(1) > budget:
+            return None
+        if peak(large) > budget:
+            return 1
+        small, large = large, large + 1
     if limit <= large:
         return None
     prefetch(small, large)

@@ -434,13 +434,13 @@ def max_cmd(
                     status.update(f"tracing {model} at batch {batch}...")
 
             # LLM fine-tuning: the weights fill most of the card and the answer is small;
-            # tracing batches 2 and 3 first (batch 1 traces two ops fewer, so it cannot
-            # pair with 2) makes them the confirming pair too
+            # tracing batches 1 and 2 first makes them the confirming pair of an answer of
+            # 1 (one round of traces); when 2 fits, the step is interpolated from 2 and 3
             small = config.lora is not None or config.quant is not None
             result = max_batch_size(spec.factory, inputs, config, device=profile,
                                     memory_bytes=memory_bytes, margin=margin,
                                     max_batch_limit=max_limit, on_trace=on_trace,
-                                    fit_batches=(2, 3) if small else None,
+                                    fit_batches=(1, 2) if small else None,
                                     parallel=parallel, nccl=nccl)
         if plot:
             from batchfit.cli.plot import plot_max_batch
