@@ -61,7 +61,41 @@ def test_serve_cli_json_and_bad_input():
         (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
         (["--kv-dtype", "int3"], "unknown --kv-dtype"),
         (["--engine", "tgi"], "unknown --engine"),
+        (["--vllm-engine", "v2"], "unknown --vllm-engine"),
     ]:
         bad = runner.invoke(app, ["serve", "hf:Qwen/Qwen2.5-0.5B", "--gpu", "L4", *args])
         assert bad.exit_code == 2 and fragment in bad.output, bad.output
         assert len(bad.output.strip().splitlines()) == 1
+
+
+def test_v0_sampler_sort_by_hand():
+    # vLLM <= 0.6 (V0): the profile run samples every request with top_p 0.99 and top_k
+    # vocab - 1, so Sampler._apply_top_k_top_p sorts the float32 logits. At the sort: the
+    # model-dtype logits (2 B), the float32 copy (4), the sorted values (4) and int64
+    # indices (8), and torch's stable-sort scratch (SortStable.cu): with >= 128 rows the
+    # int64 reverse indices and CUB's alternate key and value buffers (8 + 4 + 8)
+    from batchfit.answers.serve import sampler_bytes
+
+    v = 151_936
+    assert sampler_bytes(256, v, 2, "v0") == 256 * v * (2 + 4 + 4 + 8 + 20)
+    # 2..127 rows: two int2 buffers, radix_sort_pairs' keys-out, CUB's alternates
+    assert sampler_bytes(16, v, 2, "v0") == 16 * v * (2 + 4 + 12 + 8 + 8 + 4 + 4 + 8)
+    # one row: sorted as one segment, the scratch is one row's
+    assert sampler_bytes(1, v, 2, "v0") == v * (2 + 4 + 12 + 20)
+    # a float32 model: .to(torch.float) returns the logits themselves, no copy
+    assert sampler_bytes(256, v, 4, "v0") == 256 * v * (4 + 12 + 20)
+    # V1's dummy sampler: the logits, their float32 copy and float32 probabilities
+    assert sampler_bytes(256, v, 2, "v1") == 256 * v * (2 + 4 + 4)
+    # end to end: 512 tokens over 256 requests of a 2-layer Qwen2.5-0.5B, where the sampler
+    # (plus the final hidden states the runner holds) is above the forward's peak
+    kwargs = dict(device="A100 80GB", max_model_len=4096, max_num_batched_tokens=512,
+                  model_kwargs={"num_hidden_layers": 2}, non_torch_bytes=GiB // 4,
+                  total_memory_bytes=80 * GiB)
+    v0 = serve_capacity("hf:Qwen/Qwen2.5-0.5B", vllm_engine="v0", **kwargs)
+    v1 = serve_capacity("hf:Qwen/Qwen2.5-0.5B", **kwargs)
+    assert v0.activation_peak_bytes == 512 * 896 * 2 + 256 * v * 38
+    assert v1.kv_cache_bytes - v0.kv_cache_bytes == (v0.activation_peak_bytes
+                                                     - v1.activation_peak_bytes)
+    assert v0.to_dict()["vllm_engine"] == "v0" and v1.to_dict()["vllm_engine"] == "v1"
+    with pytest.raises(Exception, match="unknown --vllm-engine"):
+        serve_capacity("hf:Qwen/Qwen2.5-0.5B", vllm_engine="v2", **kwargs)

@@ -12,7 +12,9 @@ The profile run is a forward of ``max_num_batched_tokens`` tokens (split over up
 ``max_num_seqs`` requests) followed by a dummy sampler run over one row per request. batchfit
 traces that forward on the target GPU (flash attention where the card and dtype allow it:
 memory linear in the tokens) and adds the sampler: the logits of ``max_num_seqs`` rows in the
-model dtype, their float32 copy and float32 probabilities. ``non_torch`` is what the
+model dtype, their float32 copy and float32 probabilities. vLLM's V0 engine (``vllm_engine="v0"``,
+vLLM <= 0.6) samples its profile requests with top-p 0.99 and top-k vocab - 1, whose sort of
+the logits sets the peak instead (:func:`sampler_bytes`). ``non_torch`` is what the
 engine measures outside torch's allocator after its startup snapshot (cuBLAS/NCCL state);
 it is an input, 0.35 GiB by default (vLLM 0.6 printed ``non_torch_memory=0.35GiB`` for one
 RTX 3090, vllm-project/vllm#10517). The KV cache layout per layer is
@@ -61,6 +63,13 @@ class Engine(StrEnum):
     HF = "hf"
 
 
+class VllmEngine(StrEnum):
+    """Which vLLM engine sizes the cache: V1 (vLLM >= 0.8's default) or V0 (vLLM <= 0.6)."""
+
+    V1 = "v1"
+    V0 = "v0"
+
+
 @dataclass(frozen=True)
 class ServeResult:
     """Serving capacity of a model on a GPU.
@@ -82,6 +91,7 @@ class ServeResult:
         max_concurrency: requests of ``max_model_len`` tokens that fit at once.
         layer_kinds: count of layers per cache kind.
         hf: for ``engine=hf``: batch size, prompt and new tokens, peaks and the largest batch.
+        vllm_engine: ``v1`` or ``v0``: whose profile run (sampler) was modelled.
     """
 
     engine: Engine
@@ -101,6 +111,7 @@ class ServeResult:
     max_concurrency: float
     layer_kinds: dict[str, int]
     hf: dict[str, Any] = field(default_factory=dict)
+    vllm_engine: str = "v1"
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -116,7 +127,8 @@ class ServeResult:
             "layer_kinds": self.layer_kinds,
         }
         if self.plan is not None:
-            data.update(num_blocks=self.plan.num_blocks, block_size=self.plan.block_size,
+            data.update(vllm_engine=self.vllm_engine,
+                        num_blocks=self.plan.num_blocks, block_size=self.plan.block_size,
                         kv_tokens=self.plan.tokens, page_bytes=self.plan.page_bytes,
                         blocks_per_request=self.plan.blocks_per_request,
                         kv_cache_groups=self.plan.groups)
@@ -172,7 +184,7 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
                    non_torch_bytes: int | None = None, total_memory_bytes: int | None = None,
                    batch_size: int = 1, prompt_len: int | None = None, new_tokens: int = 256,
                    model_kwargs: dict[str, Any] | None = None, quant: Any = None,
-                   all_logits: bool = False) -> ServeResult:
+                   all_logits: bool = False, vllm_engine: VllmEngine | str = "v1") -> ServeResult:
     """How many tokens of KV cache and concurrent sequences fit (see the module docstring).
 
     Args:
@@ -191,6 +203,8 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
         quant: ``engine=hf``: bitsandbytes weights (nf4, nf4-dq, fp4, fp4-dq, int8).
         all_logits: ``engine=hf``: the prefill computes every prompt position's logits, as
             ``generate`` did before transformers 4.45 (``logits_to_keep``).
+        vllm_engine: ``v1`` (default) or ``v0``: the engine whose profile run is modelled;
+            only its sampler differs (:func:`sampler_bytes`).
 
     Example:
         >>> r = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="A100 80GB", max_model_len=4096,
@@ -203,6 +217,9 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
     engine = Engine(str(engine).lower()) if str(engine).lower() in ("vllm", "hf") else None
     if engine is None:
         raise InvalidInputError("unknown --engine: use vllm or hf")
+    if str(vllm_engine).lower() not in ("v0", "v1"):
+        raise InvalidInputError(f"unknown --vllm-engine {vllm_engine!r}: use v1 or v0")
+    vllm_engine = VllmEngine(str(vllm_engine).lower())
     profile = resolve_device(device)
     if not profile.is_cuda:
         raise InvalidInputError("serving capacity is for a GPU: give --gpu NAME")
@@ -242,7 +259,7 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
     if quant is not None:
         raise InvalidInputError("--quant applies to --engine hf (bitsandbytes in transformers)")
     key = (model, repr(sorted((model_kwargs or {}).items())), chosen)
-    run = (*key, profile.compute_capability, max_num_batched_tokens, max_num_seqs)
+    run = (*key, profile.compute_capability, max_num_batched_tokens, max_num_seqs, vllm_engine)
     built = None
     if key not in _WEIGHTS or run not in _PROFILE_RUNS:
         built = _meta_model(config, chosen)  # once for both (a 70B build: ~2.5 s)
@@ -250,7 +267,8 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
     weights = _WEIGHTS[key]
     if run not in _PROFILE_RUNS:  # the same forward whatever the cache's dtype or size
         _PROFILE_RUNS[run] = _profile_activation(built.base_model, config, chosen, profile,
-                                                 max_num_batched_tokens, max_num_seqs)
+                                                 max_num_batched_tokens, max_num_seqs,
+                                                 vllm_engine)
     activation = _PROFILE_RUNS[run]
     non_torch = DEFAULT_NON_TORCH_BYTES if non_torch_bytes is None else int(non_torch_bytes)
     requested = math.ceil(profile.total_memory_bytes * gpu_memory_utilization)
@@ -272,7 +290,7 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
         kv_bytes_per_token=kv_bytes_per_token(caches),
         state_bytes_per_sequence=sum(c.state_bytes for c in caches), plan=plan,
         max_model_len=max_model_len, max_concurrency=plan.max_concurrency,
-        layer_kinds=_kinds(caches))
+        layer_kinds=_kinds(caches), vllm_engine=vllm_engine.value)
 
 
 def _kinds(caches: list[LayerCache]) -> dict[str, int]:
@@ -283,7 +301,8 @@ def _kinds(caches: list[LayerCache]) -> dict[str, int]:
 
 
 def _profile_activation(base: Any, config: Any, dtype: str, profile: DeviceProfile,
-                        tokens: int, max_num_seqs: int) -> int:
+                        tokens: int, max_num_seqs: int,
+                        vllm_engine: VllmEngine = VllmEngine.V1) -> int:
     """The profile run's torch peak beyond the weights: the traced decoder forward over
     ``tokens`` tokens, or the sampler run (hidden states + logits rows), the larger."""
     from batchfit.answers.estimate import estimate
@@ -311,8 +330,46 @@ def _profile_activation(base: Any, config: Any, dtype: str, profile: DeviceProfi
     size = dtype_bytes(dtype)
     hidden = int(getattr(config, "hidden_size", 0)) * tokens * size
     rows = min(max_num_seqs, tokens)
-    sampler = hidden + rows * vocab * (size + 4 + 4)
-    return max(forward, sampler)
+    return max(forward, hidden + sampler_bytes(rows, vocab, size, vllm_engine))
+
+
+def sampler_bytes(rows: int, vocab: int, size: int, engine: VllmEngine | str = "v1") -> int:
+    """The peak of the profile run's sampler over ``rows`` rows of ``vocab`` logits in a
+    ``size``-byte model dtype (the final hidden states the runner holds come on top).
+
+    V1: the dummy sampler run holds the logits, their float32 copy and the float32
+    probabilities: ``size + 4 + 4`` bytes per logit.
+
+    V0 (vLLM <= 0.6; read in vLLM 0.6.5): ``ModelRunner.profile_run``
+    (vllm/worker/model_runner.py) gives every dummy request ``SamplingParams(top_p=0.99,
+    top_k=vocab_size - 1)``, so ``Sampler.forward`` (vllm/model_executor/layers/sampler.py;
+    the torch path, ``VLLM_USE_FLASHINFER_SAMPLER`` being off by default) makes the float32
+    copy (``logits.to(torch.float)``, none for float32 models) while ``execute_model`` still
+    holds the model-dtype logits, and ``_apply_top_k_top_p`` sorts it: ``logits.sort(dim=-1)``,
+    float32 values and int64 indices. Inside the sort, torch's stable sort
+    (aten/src/ATen/native/cuda/SortStable.cu, ``launch_stable_sort_kernel``) allocates scratch
+    through the caching allocator: for 128 rows or more, ``segmented_sort_pairs``'s int64
+    reverse indices and CUB's segmented radix sort's alternate key (4 B) and value (8 B)
+    buffers, 20 B per logit; for 2 to 127 rows, ``segmented_sort_pairs_by_full_sort``'s two
+    int2 buffers, ``radix_sort_pairs``' keys-out buffer and CUB's alternate buffers, 32 B;
+    for one row (or rows of a million or more, sorted one at a time), int64 indices and CUB's
+    buffers of one row. The steps after the sort stay below it: the masks, softmax, cumsum
+    and the scatter back hold ``size + 30`` B per logit, the probabilities, log-probabilities
+    and the multinomial's two copies ``size + 20``.
+    """
+    elements = rows * vocab
+    if VllmEngine(str(engine).lower()) is VllmEngine.V1:
+        return elements * (size + 4 + 4)
+    upcast = 0 if size == 4 else 4
+    held = elements * (size + upcast + 4 + 8)  # logits, float32 copy, sorted values, indices
+    if rows == 1 or vocab >= 1_000_000:
+        scratch = vocab * (8 + 4 + 8)
+    elif rows < 128:
+        scratch = elements * (8 + 8 + 4 + 4 + 8)
+    else:
+        scratch = elements * (8 + 4 + 8)
+    after = elements * (size + upcast + 26)  # the scatter back: sort, masks, probs, cumsum, out
+    return max(held + scratch, after)
 
 
 def _embedding_path(est: Any) -> str | None:

@@ -38,6 +38,9 @@ def serve_cmd(
     all_logits: bool = typer.Option(False, "--all-logits", help="--engine hf: the prefill "
                                     "computes every prompt position's logits "
                                     "(transformers < 4.45)"),
+    vllm_engine: str = typer.Option("v1", "--vllm-engine", help="v1, or v0 (vLLM <= 0.6: its "
+                                    "profile run samples with top-p/top-k, a sort of the "
+                                    "logits)"),
     model_kwargs: Optional[list[str]] = KwargsOpt,
     as_json: bool = JsonOpt, debug: bool = DebugOpt,
 ) -> None:
@@ -56,7 +59,7 @@ def serve_cmd(
                 total_memory_bytes=parse_size(total_memory) if total_memory else None,
                 batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
                 model_kwargs=parse_model_kwargs(model_kwargs or []), quant=quant,
-                all_logits=all_logits)
+                all_logits=all_logits, vllm_engine=vllm_engine)
         if as_json:
             _emit_json(result.to_dict())
             return
