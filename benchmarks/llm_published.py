@@ -17,6 +17,12 @@ sets are held out.
    to the length; the optimizer (8-bit AdamW) and the checkpointing mode are not stated and
    are taken from Unsloth's notebooks. The 70B rows are Llama 3.3 70B Instruct, whose
    architecture is Llama-3.1-70B's (the offline config used).
+   The blog does not name its transformers version either; by its date (Dec 2024, after Llama
+   3.3's release) it is 4.46 or 4.47, whose causal-LM loss copies the float32 logits
+   (batchfit.engine.workloads.hfloss): ``--unsloth-transformers 4.47`` (the default here)
+   scores it with that loss, ``installed`` with the installed transformers' loss. The traces
+   do not depend on the card's size, so one cache of peaks per model serves every card (the
+   budget is each card's, as ``max_seq_len`` takes it).
 2. Hugging Face, "Optimizing LLMs for Speed and Memory" (transformers docs,
    llm_tutorial_optimization.md): bigcode/octocoder on an A100 40GB, ``pipeline`` with a
    20-token prompt and ``max_new_tokens=60``, batch 1, ``torch.cuda.max_memory_allocated()``:
@@ -63,36 +69,49 @@ UNSLOTH_8B = [(8, None), (12, 932), (16, 2551), (24, 5789), (40, 12264), (48, 15
 UNSLOTH_70B = [(48, None), (80, 6916)]
 
 
-def _qlora_config():
+def _qlora_config(transformers_version: str | None = None):
     from batchfit.engine.spec import TrainConfig
 
     return TrainConfig(lora="r=32,alpha=32,targets=all-linear", quant="nf4-dq",
                        precision="amp-bf16", checkpointing=True, use_reentrant=True,
-                       optimizer="adamw8bit")
+                       optimizer="adamw8bit", transformers_version=transformers_version)
 
 
-def unsloth() -> list[dict]:
-    from batchfit.answers.maxbatch import max_seq_len
+def unsloth(transformers_version: str | None = "4.47") -> list[dict]:
+    from batchfit.answers.estimate import estimate
+    from batchfit.answers.maxbatch import _allocator_bytes, _budget, with_seq_len
+    from batchfit.answers.solve import NothingFits, solve_max_seq_len
     from batchfit.device.profile import DeviceProfile
-    from batchfit.errors import DoesNotFitError
+    from batchfit.engine.trace import TraceReuse
     from batchfit.models.resolve import resolve_model
 
+    config = _qlora_config(transformers_version)
+    label = transformers_version or "installed"
     rows = []
     for hub, points, context in (("meta-llama/Llama-3.1-8B", UNSLOTH_8B, 131072),
                                  ("meta-llama/Llama-3.1-70B", UNSLOTH_70B, 131072)):
         spec = resolve_model(f"hf:{hub}", seq_len=1024)
+        sm80 = DeviceProfile.cuda(80 * GiB, (8, 0), name="sm80").for_stack(config.resolved_stack)
+        reuse, peaks = TraceReuse(), {}
+
+        def peak(seq_len: int) -> int:  # as max_seq_len traces it; the card only sets the budget
+            if seq_len not in peaks:
+                est = estimate(spec.factory, with_seq_len(spec.input_spec, seq_len), 1, config,
+                               device=sm80, reuse=reuse)
+                peaks[seq_len] = _allocator_bytes(est)
+            return peaks[seq_len]
+
         for gib, published in points:
             card = DeviceProfile.cuda(gib * GiB, (8, 0), name=f"{gib} GiB sm80")
+            _, budget = _budget(card.for_stack(config.resolved_stack), None, 0.0)
             start = time.perf_counter()
             try:
-                result = max_seq_len(spec.factory, spec.input_spec, 1, _qlora_config(),
-                                     device=card, max_len=context)
-                predicted = result.max_seq_len
-            except DoesNotFitError:
+                predicted = solve_max_seq_len(peak, budget, max_len=context).max_seq_len
+            except NothingFits:
                 predicted = None
-            rows.append(_row("unsloth", f"{hub.split('/')[1]} QLoRA r32, {gib} GB",
-                             "max context (fit)", published, predicted,
-                             time.perf_counter() - start, "held-out"))
+            rows.append(_row("unsloth", f"{hub.split('/')[1]} QLoRA r32, {gib} GB, "
+                             f"transformers {label}", "max context (fit)", published,
+                             predicted, time.perf_counter() - start, "held-out"))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -169,15 +188,21 @@ def _row(source: str, case: str, metric: str, published, predicted, seconds: flo
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=("unsloth", "octocoder", "vllm"))
+    parser.add_argument("--unsloth-transformers", default="4.47",
+                        help="the transformers version whose loss the Unsloth rows use, or "
+                             "'installed'")
     args = parser.parse_args()
+    version = None if args.unsloth_transformers == "installed" else args.unsloth_transformers
     rows: list[dict] = []
-    for name, run in (("octocoder", octocoder), ("vllm", vllm), ("unsloth", unsloth)):
+    for name, run in (("octocoder", octocoder), ("vllm", vllm),
+                      ("unsloth", lambda: unsloth(version))):
         if args.only in (None, name):
             rows += run()
             print(json.dumps(rows[-1]), flush=True)
     RESULTS.mkdir(exist_ok=True)
+    only = args.only if args.only != "unsloth" else f"unsloth_{args.unsloth_transformers}"
     path = RESULTS / ("llm_published.json" if args.only is None
-                      else f"llm_published_{args.only}.json")
+                      else f"llm_published_{only}.json")
     path.write_text(json.dumps(rows, indent=2) + "\n")
     lines = ["| source | case | metric | published | predicted | error | split |",
              "|---|---|---|---|---|---|---|"]

@@ -51,6 +51,8 @@ def conv_file(tmp_path):
     (["--lora", "r=8", "--optimizer", "adamw9bit"], "unknown optimizer 'adamw9bit'"),
     (["--lora", "r=8", "--grad-accum", "0"], "--grad-accum must be a positive integer"),
     (["--lora", "r=8", "--use-reentrant"], "add --checkpointing"),
+    (["--lora", "r=8", "--transformers-version", "4.x"], "malformed --transformers-version"),
+    (["--lora", "r=8", "--transformers-version", "4.20"], "from 4.28"),
 ])
 def test_bad_llm_input_gets_one_line(extra, fragment):
     result = invoke("estimate", *TINY, "-b", "2", *extra)
@@ -100,3 +102,15 @@ def test_llm_options_on_a_keras_model(tmp_path):
         assert result.exit_code == 2, result.output
         assert fragment in result.output and "Traceback" not in result.output
         assert len([line for line in result.output.splitlines() if line.strip()]) == 1
+
+
+def test_transformers_version_changes_the_loss():
+    # transformers 4.46's loss copies the float32 logits (engine/workloads/hfloss.py): the
+    # forward's peak at the loss grows by the shifted copy and its log-softmax
+    runs = {}
+    for version in (None, "4.46"):
+        extra = ["--transformers-version", version] if version else []
+        result = invoke("estimate", *TINY, "-b", "4", "--lora", "r=8", "--json", *extra)
+        assert result.exit_code == 0, result.output
+        runs[version] = json.loads(result.stdout)["peak_allocated_bytes"]
+    assert runs["4.46"] > runs[None]

@@ -269,3 +269,43 @@ def test_packing_builds_the_block_diagonal_mask_for_sdpa_only():
     extra = Counter(e.nbytes for e in _allocations(with_packing)) - Counter(
         e.nbytes for e in _allocations(without))
     assert extra[mask] >= 1  # built once the packed positions are seen
+
+
+def _forward_peak(trace) -> int:
+    """The largest live bytes during forward and loss (the model computes its loss inside
+    its forward), from the steady step's events."""
+    live: dict[int, int] = {}
+    total = peak = 0
+    for e in trace.steady_events:
+        if e.kind is EventKind.ALLOC:
+            live[e.key] = e.nbytes
+            total += e.nbytes
+        elif e.kind is EventKind.FREE and e.key in live:
+            total -= live.pop(e.key)
+        if e.phase in (Phase.FORWARD, Phase.LOSS):
+            peak = max(peak, total)
+    return peak
+
+
+def test_transformers_version_loss_by_hand():
+    # The loss of the transformers the user runs (engine/workloads/hfloss.py), B x S tokens,
+    # bf16 logits, at the log-softmax (the forward's peak: the logits dominate this model):
+    #   installed (>= 4.49): bf16 logits 2BSV + float32 copy 4BSV + log-softmax 4BSV
+    #   4.46-4.48: bf16 2BSV + float32 4BSV + contiguous shifted copy and its log-softmax,
+    #              4B(S-1)V each
+    #   < 4.46 (4.43): the bf16 logits are freed by the forward's upcast: 4BSV + 2 x 4B(S-1)V
+    # up to the int64 label tensors each version shifts (a few B x S x 8 bytes)
+    b, s = 2, 64
+    config = dict(lora="r=8,targets=all-linear", precision="amp-bf16")
+    peaks = {v: _forward_peak(trace_step(tiny_llama, SPEC, b, TrainConfig(
+        **config, transformers_version=v), _cpu())) for v in (None, "4.46", "4.43.3")}
+    installed = 2 * b * s * V + 4 * b * s * V + 4 * b * s * V
+    v446 = 2 * b * s * V + 4 * b * s * V + 2 * 4 * b * (s - 1) * V
+    v443 = 4 * b * s * V + 2 * 4 * b * (s - 1) * V
+    labels = 4 * b * s * 8
+    assert abs((peaks["4.46"] - peaks[None]) - (v446 - installed)) <= labels
+    assert abs((peaks["4.43.3"] - peaks[None]) - (v443 - installed)) <= labels
+    with pytest.raises(InvalidInputError, match="malformed --transformers-version"):
+        TrainConfig(transformers_version="four")
+    with pytest.raises(InvalidInputError, match="--loss chunked replaces it"):
+        TrainConfig(transformers_version="4.46", loss="chunked")

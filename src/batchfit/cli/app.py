@@ -78,6 +78,9 @@ ReentrantOpt = typer.Option(False, "--use-reentrant",
                             help="Hugging Face checkpointing with use_reentrant=True")
 PackingOpt = typer.Option(False, "--packing", help="several documents per row "
                           "(position_ids restarting per document)")
+HfVersionOpt = typer.Option(None, "--transformers-version", help="the causal-LM loss as this "
+                            "transformers computes it (4.43: float32 logits and a shifted copy; "
+                            "default: the installed one)")
 AttnOpt = typer.Option(None, "--attn", help="attention implementation: sdpa (default), eager "
                        "or flash (flash-attention kernels; GPU, fp16/bf16, sm80+)")
 JsonOpt = typer.Option(False, "--json", help="print one JSON object")
@@ -194,6 +197,7 @@ class LlmArgs:
     use_reentrant: bool = False
     packing: bool = False
     attn: str | None = None
+    transformers_version: str | None = None
 
 
 _ATTN = {"sdpa": "sdpa", "eager": "eager", "flash": "flash", "flash-attention-2": "flash",
@@ -244,7 +248,8 @@ def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str,
         precision=parse_enum(Precision, precision, "precision"),
         checkpointing=checkpointing, channels_last=channels_last,
         lora=llm.lora, quant=llm.quant, loss=llm.loss, grad_accum_steps=llm.grad_accum,
-        use_reentrant=llm.use_reentrant, **settings,
+        use_reentrant=llm.use_reentrant, transformers_version=llm.transformers_version,
+        **settings,
         # flash attention takes packed rows as varlen sequences and builds no mask
         packing=llm.packing and _ATTN.get((llm.attn or "sdpa").strip().lower()) != "flash")
     if config.quant is not None and config.lora is None and config.mode is Mode.TRAIN:
@@ -314,6 +319,7 @@ def estimate_cmd(
     lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
+    transformers_version: Optional[str] = HfVersionOpt,
     world_size: Optional[int] = WorldOpt, strategy: Optional[str] = StrategyOpt,
     offload: str = OffloadOpt, tp: int = TpOpt, nodes: int = NodesOpt,
     rank: Optional[int] = RankOpt, wrap: Optional[str] = WrapOpt,
@@ -336,7 +342,8 @@ def estimate_cmd(
         if "stack" in settings:
             profile.for_stack(settings["stack"])
         with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
-            llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn)
+            llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn,
+                          transformers_version)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                           checkpointing, channels_last, model_kwargs, llm,
                                           **settings)
@@ -384,6 +391,7 @@ def max_cmd(
     lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
+    transformers_version: Optional[str] = HfVersionOpt,
     world_size: Optional[int] = WorldOpt, strategy: Optional[str] = StrategyOpt,
     offload: str = OffloadOpt, tp: int = TpOpt, nodes: int = NodesOpt,
     rank: Optional[int] = RankOpt, wrap: Optional[str] = WrapOpt,
@@ -413,7 +421,8 @@ def max_cmd(
         if not profile.is_cuda and memory_bytes is None:
             raise InvalidInputError("--device cpu needs --memory SIZE as the budget")
         with _progress(not as_json, f"resolving {model}...") as status:
-            llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn)
+            llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn,
+                          transformers_version)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                           checkpointing, channels_last, model_kwargs, llm,
                                           **settings)

@@ -272,6 +272,9 @@ class TrainConfig:
             transformers' default since 4.35.
         packing: several documents per row (``position_ids`` restart per document), as
             TRL's packing with ``padding_free`` does; the attention mask then follows them.
+        transformers_version: ``"4.46"``...: the causal-LM loss as that transformers computes
+            it (:mod:`batchfit.engine.workloads.hfloss`: before 4.49 it copies the float32
+            logits); None: the installed transformers'.
     """
 
     mode: Mode | str = Mode.TRAIN
@@ -290,6 +293,7 @@ class TrainConfig:
     grad_accum_steps: int = 1
     use_reentrant: bool = False
     packing: bool = False
+    transformers_version: Any = None
 
     def __post_init__(self) -> None:
         from batchfit.engine.workloads.spec import LoraSpec, LossKind, QuantSpec, parse_lora
@@ -312,6 +316,14 @@ class TrainConfig:
         elif self.quant is not None and not isinstance(self.quant, QuantSpec):
             raise InvalidInputError(f"quant must be a QuantSpec or its name, not {self.quant!r}")
         object.__setattr__(self, "loss", parse_enum(LossKind, self.loss, "loss"))
+        if self.transformers_version is not None:
+            from batchfit.engine.workloads.hfloss import parse_version
+
+            object.__setattr__(self, "transformers_version",
+                               parse_version(self.transformers_version))
+            if self.loss is LossKind.CHUNKED:
+                raise InvalidInputError("--transformers-version models transformers' own loss; "
+                                        "--loss chunked replaces it: give one of them")
         steps = self.grad_accum_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InvalidInputError(
@@ -322,9 +334,11 @@ class TrainConfig:
         """The LLM workload (:class:`~batchfit.engine.workloads.spec.Workload`), or None."""
         from batchfit.engine.workloads.spec import LossKind, Workload
 
-        if self.lora is None and self.quant is None and self.loss is LossKind.STANDARD:
+        if (self.lora is None and self.quant is None and self.loss is LossKind.STANDARD
+                and self.transformers_version is None):
             return None
-        return Workload(lora=self.lora, quant=self.quant, loss=self.loss)
+        return Workload(lora=self.lora, quant=self.quant, loss=self.loss,
+                        transformers_version=self.transformers_version)
 
     @property
     def resolved_stack(self) -> Any:

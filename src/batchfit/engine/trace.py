@@ -207,6 +207,10 @@ def _workload_model(model: Any, config: Any, reuse: TraceReuse | None) -> tuple[
         from batchfit.engine.workloads.runtime import apply_chunked_loss
 
         apply_chunked_loss(transformed)
+    if config.transformers_version is not None:
+        from batchfit.engine.workloads.hfloss import apply_transformers_loss
+
+        apply_transformers_loss(transformed, config.transformers_version)
     built = (transformed, quant_attributes(transformed) if config.quant is not None else {})
     if reuse is not None:
         reuse.workload_model = built

@@ -240,4 +240,5 @@ class Workload:
     lora: LoraSpec | None = None
     quant: QuantSpec | None = None
     loss: LossKind = LossKind.STANDARD
+    transformers_version: tuple[int, int] | None = None  # None: the installed one's loss
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
