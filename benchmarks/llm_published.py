@@ -20,7 +20,8 @@ sets are held out.
    The blog does not name its transformers version either; by its date (Dec 2024, after Llama
    3.3's release) it is 4.46 or 4.47, whose causal-LM loss copies the float32 logits
    (batchfit.engine.workloads.hfloss): ``--unsloth-transformers 4.47`` (the default here)
-   scores it with that loss, ``installed`` with the installed transformers' loss. The traces
+   scores it with that loss, ``installed`` with the installed transformers' loss (at batch 1
+   they give the same contexts: the shifted slice is already contiguous). The traces
    do not depend on the card's size, so one cache of peaks per model serves every card (the
    budget is each card's, as ``max_seq_len`` takes it).
 2. Hugging Face, "Optimizing LLMs for Speed and Memory" (transformers docs,

@@ -21,9 +21,10 @@ computed in bf16/fp16 (2 bytes):
   ``2 V + 4 V + 4 V = 10 V``.
 
 The backward of the cross-entropy holds ``12 V`` in all three (log-softmax output, the
-gradient of the NLL, the gradient of the log-softmax), so the loss sets the step's peak
-before 4.49 when nothing else dominates: for Llama-3.1-8B at 8,192 tokens, 4.46's loss is
-2 GiB above the installed one's.
+gradient of the NLL, the gradient of the log-softmax), so the loss can set the step's peak
+before 4.49. At batch 1 the shifted slice of ``(1, S, V)`` logits is already contiguous and
+``.contiguous()`` copies nothing (the real op runs on the fake tensors): the eras differ
+from batch 2 on (Unsloth's batch-1 contexts do not change with the version).
 """
 
 from __future__ import annotations
