@@ -61,8 +61,10 @@ def test_the_answer_is_the_bisections(seed):
         return (base + int(slope * b ** power) + step - 1) // step * step
 
     budget = rng.randint(base // 2, need(divisors[-1]) + slope)
+    # a first guess of the bytes per sample (another layout's): none, right, or far off
+    guess = rng.choice([None, slope, slope * rng.uniform(0.05, 20), -1.0])
     wrapped, asked = counted(need)
-    answer = largest_fitting_divisor(divisors, wrapped, budget)
+    answer = largest_fitting_divisor(divisors, wrapped, budget, guess)
     expected, _ = bisection(divisors, need, budget)
     assert answer == expected
     assert len(asked) == len(set(asked))  # each micro-batch traced once
@@ -79,6 +81,9 @@ def test_affine_needs_take_at_most_four_traces_and_nothing_fits_takes_one():
     assert largest_fitting_divisor(divisors, wrapped, 50) is None and asked == [1]
     wrapped, asked = counted(lambda b: 100 + b)  # everything fits: 1, 2, then the largest
     assert largest_fitting_divisor(divisors, wrapped, 10**6) == 128 and asked == [1, 2, 128]
+    wrapped, asked = counted(lambda b: 10 + 3 * b)  # another layout's slope: 1, then 16, 32
+    assert largest_fitting_divisor(divisors, wrapped, 60, slope=3.0) == 16
+    assert asked == [1, 16, 32]
 
 
 def test_the_plan_on_a_small_model_equals_tracing_every_divisor():

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchfit.engine.spec import Precision, TrainConfig, make_config
@@ -165,7 +165,7 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
     speed = _Speed(model, inputs, card)
     from batchfit.engine.trace import TraceReuse
 
-    shared = TraceReuse()  # the meta model, built once for all layouts
+    shared = _Shared(TraceReuse())  # the meta model, built once for all layouts
     rows = []
     for strategy in names:
         for tp in ([1] if strategy != "fsdp" else [1, *tp_degrees]):
@@ -259,8 +259,11 @@ def _largest_divisor_that_fits(model: Any, inputs: Any, config: TrainConfig, dev
     per micro-batch it asks for. Its traces share one
     :class:`~batchfit.engine.trace.TraceReuse` (the model built on meta once and the
     optimizer phase traced once, as ``max`` shares them: the same model, config and layout
-    at another micro-batch); ``shared``, a ``TraceReuse`` of the whole plan, lends them the
-    meta model built by the first layout (each layout copies it; none changes it)."""
+    at another micro-batch). ``shared`` (:class:`_Shared`, one per plan) lends them the
+    meta model built by the first layout (each layout copies it; none changes it) and the
+    bytes per sample an earlier layout with the same checkpointing measured: a first
+    guess only (the activations per sample are much alike across strategies); the answer
+    is still confirmed by tracing it and the divisor above."""
     from torch import nn
 
     from batchfit.answers.ranks import estimate_ranks
@@ -269,7 +272,7 @@ def _largest_divisor_that_fits(model: Any, inputs: Any, config: TrainConfig, dev
     divisors = [b for b in range(1, per_replica + 1) if per_replica % b == 0]
     reuse = TraceReuse()
     if shared is not None and config.workload is None:
-        reuse.meta_model = shared.meta_model
+        reuse.meta_model = shared.reuse.meta_model
     sizes: dict[int, int] = {}
 
     def need(batch: int) -> int:
@@ -279,15 +282,37 @@ def _largest_divisor_that_fits(model: Any, inputs: Any, config: TrainConfig, dev
                                           reuse=reuse).total_bytes
         return sizes[batch]
 
-    answer = largest_fitting_divisor(divisors, need, device.total_memory_bytes)
-    if shared is not None and shared.meta_model is None and isinstance(reuse.meta_model,
-                                                                          nn.Module):
-        shared.meta_model = reuse.meta_model
+    slope = shared.slopes.get(config.checkpointing) if shared is not None else None
+    answer = largest_fitting_divisor(divisors, need, device.total_memory_bytes, slope)
+    if shared is not None:
+        if shared.reuse.meta_model is None and isinstance(reuse.meta_model, nn.Module):
+            shared.reuse.meta_model = reuse.meta_model
+        measured = _slope(sizes, answer)
+        if measured is not None:
+            shared.slopes[config.checkpointing] = measured
     return answer, need(answer if answer is not None else divisors[0])
 
 
+@dataclass
+class _Shared:
+    """What a plan's layouts lend each other: the model on meta, and the bytes per sample
+    each checkpointing setting measured (a first guess for the next layout)."""
+
+    reuse: Any
+    slopes: dict[bool, float] = field(default_factory=dict)
+
+
+def _slope(sizes: dict[int, int], answer: int | None) -> float | None:
+    """Bytes per sample between the answer and the nearest other traced micro-batch."""
+    if answer is None or len(sizes) < 2:
+        return None
+    other = min((b for b in sizes if b != answer), key=lambda b: abs(b - answer))
+    rise = (sizes[other] - sizes[answer]) / (other - answer)
+    return rise if rise > 0 else None
+
+
 def largest_fitting_divisor(divisors: Sequence[int], need: Callable[[int], int],
-                            budget: int) -> int | None:
+                            budget: int, slope: float | None = None) -> int | None:
     """The largest of the increasing ``divisors`` whose ``need`` fits ``budget`` (None when
     the first does not), given that ``need`` grows with the micro-batch; ``need`` is one
     trace, so it is asked as few times as the answer allows.
@@ -299,7 +324,9 @@ def largest_fitting_divisor(divisors: Sequence[int], need: Callable[[int], int],
     first divisor (nothing fits: one trace, where a bisection over 8 divisors takes three),
     the second (a line through two needs, or the answer 1: two traces), the largest divisor
     the line fits, then its neighbour above to confirm it (four traces, or three when the
-    line fits them all).
+    line fits them all). Given ``slope`` (bytes per sample, e.g. measured on another
+    layout), the line through the first need with that slope is the first guess: three
+    traces when it is right.
 
     Example:
         >>> asked = []
@@ -318,7 +345,7 @@ def largest_fitting_divisor(divisors: Sequence[int], need: Callable[[int], int],
         return None
     low, high = 0, len(divisors)
     while high - low > 1:
-        probe = _probe(divisors, known, low, high, budget)
+        probe = _probe(divisors, known, low, high, budget, slope)
         if ask(probe):
             low = probe
         else:
@@ -327,18 +354,22 @@ def largest_fitting_divisor(divisors: Sequence[int], need: Callable[[int], int],
 
 
 def _probe(divisors: Sequence[int], known: dict[int, int], low: int, high: int,
-           budget: int) -> int:
+           budget: int, slope: float | None = None) -> int:
     """The index strictly inside ``(low, high)`` to trace next: the largest divisor the line
-    through ``low``'s need and the nearest other known need fits (``low + 1`` when the line
-    fits none, or there is no other point yet; ``high - 1`` when memory does not grow)."""
+    through ``low``'s need and the nearest other known need (or, with no other yet, of
+    ``slope``) fits (``low + 1`` when the line fits none, or there is no line; ``high - 1``
+    when memory does not grow)."""
     others = [i for i in known if i != low]
-    if not others:
+    x0, y0 = divisors[low], known[low]
+    if others:
+        other = min(others, key=lambda i: abs(i - low))
+        x1, y1 = divisors[other], known[other]
+        if y1 == y0 or (y1 - y0) * (x1 - x0) < 0:
+            return high - 1
+        slope = (y1 - y0) / (x1 - x0)
+    elif not slope or slope <= 0:
         return low + 1
-    other = min(others, key=lambda i: abs(i - low))
-    x0, y0, x1, y1 = divisors[low], known[low], divisors[other], known[other]
-    if y1 == y0 or (y1 - y0) * (x1 - x0) < 0:
-        return high - 1
-    crossing = x0 + (budget - y0) * (x1 - x0) / (y1 - y0)
+    crossing = x0 + (budget - y0) / slope
     fitting = [i for i in range(low + 1, high) if divisors[i] <= crossing]
     return fitting[-1] if fitting else low + 1
 
