@@ -16,8 +16,11 @@ re-run in 3 plain processes (it must never fail); and Lightning's
 ``scale_batch_size(mode="binsearch", steps_per_trial=2)`` in one plain capped process, its
 finder call timed as ``search_vs_peers.py`` times it. Wall times are medians.
 
+The search's answer is settled in exec'd fresh interpreters with the server's (plain)
+environment (:mod:`batchfit.realrun.fresh`); its bisection forks from the zygote.
+
 Run: ``python benchmarks/search_user_process.py [--models cnn,gpt2-tiny,resnet18]
-[--repeats 3]``. Writes ``benchmarks/results/search_user_process.{md,json}``.
+[--repeats 3] [--lightning-repeats N]``. Writes ``benchmarks/results/search_user_process.{md,json}``.
 """
 
 from __future__ import annotations
@@ -125,6 +128,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="cnn,gpt2-tiny,resnet18")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lightning-repeats", type=int, default=None,
+                        help="Lightning binsearch runs per model (default: --repeats)")
     args = parser.parse_args()
     from batchfit.realrun.trial_server import TrialServer, model_source, preloads_for
 
@@ -143,7 +148,8 @@ def main() -> None:
         truth, runs = true_maximum(name, cap, searches[0]["answer"])
         recommended = {r["recommended"] for r in searches}
         rec_runs = {b: [plain_trial(name, b, cap)["fits"] for _ in range(3)] for b in recommended}
-        lightning = [run_lightning(name, cap) for _ in range(args.repeats)]
+        lightning = [run_lightning(name, cap) for _ in range(
+            args.repeats if args.lightning_repeats is None else args.lightning_repeats)]
         print(f"  truth {truth}; lightning {lightning}", flush=True)
         walls = [s["wall_s"] for s in searches]
         lwalls = [r["wall_s"] for r in lightning if r["wall_s"] is not None]
@@ -168,7 +174,9 @@ def main() -> None:
              f"AdamW, {device.STEPS} steps per trial; truth: the largest batch that fits in 3 of 3 "
              "plain `python -c` processes (no MALLOC_MMAP_THRESHOLD_, no OMP_NUM_THREADS); "
              f"batchfit's search with its defaults, {args.repeats} runs from a running trial "
-             "server; Lightning binsearch in one plain capped process (finder call timed).", "",
+             "server (bisection in forked trials, the answer settled in exec'd fresh "
+             "interpreters); Lightning binsearch in one plain capped process (finder call "
+             "timed).", "",
              "| model | cap MiB | truth | flaky above (fits/runs) | batchfit answers | correct | "
              "recommended fits (plain) | trials | wall s | Lightning answers | Lightning trials | "
              "Lightning wall s | wall ratio |", "|" + "---|" * 13]

@@ -414,6 +414,17 @@ class _Search:
     def trial(self, batch_size: int) -> Trial:
         raise NotImplementedError
 
+    def confirm(self, batch_size: int, count: int, until_failure: bool) -> list[Trial]:
+        """``count`` more runs at ``batch_size`` for the boundary (fewer after a failure
+        with ``until_failure``)."""
+        trials = []
+        while len(trials) < count and not (until_failure and not all(t.fits for t in trials)):
+            trials.append(self.trial(batch_size))
+        return trials
+
+    def start_confirming(self, runs: int) -> None:
+        """Get the boundary's ``runs`` ready (while the search's trials run)."""
+
     def measure(self, trial: Trial) -> tuple[bool, int | None, int | None, int | None]:
         """``(fits, room left under the limit, live peak, allocator overhead)``."""
         slack = (None if trial.used_bytes is None or self.limit_bytes is None
@@ -459,6 +470,9 @@ class _Search:
             approach=approach if predicted else 0.0,
             slope_margin=0.0 if self.isolated else 0.02,
             seed=seed if predicted and seed is not None and seed <= predicted else None)
+        settling = self.isolated and agreement is None and options.boundary_runs > 1
+        if settling:
+            self.start_confirming(options.boundary_runs)
         log = search_boundary(evaluate, plan)
         if agreement is not None:
             agreement.end(len(log.outcomes))
@@ -466,12 +480,20 @@ class _Search:
         if answer == 0:
             self._nothing_fits(trials, agreed_trials, needed)
         boundary: tuple[tuple[int, int, int], ...] = ()
-        if self.isolated and agreement is None and options.boundary_runs > 1 \
-                and answer < max_batch:
-            answer, boundary = _settle_boundary(answer, trials, run_one,
-                                                options.boundary_runs)
-        overhead = (next(t for t in reversed(trials) if t.fits and t.batch_size == answer
-                         ).overhead_bytes(self.usage_is_growth)
+        if settling and answer < max_batch:
+            def confirm(batch_size: int, count: int, until_failure: bool) -> list[Trial]:
+                runs = self.confirm(batch_size, count, until_failure)
+                for trial in runs:
+                    trials.append(trial)
+                    if options.on_trial is not None:
+                        options.on_trial(trial)
+                return runs
+
+            answer, boundary = _settle_boundary(answer, confirm, options.boundary_runs,
+                                                max_batch)
+        measured = [t for t in trials if t.fits and t.batch_size == answer]
+        overhead = (next((t.overhead_bytes(self.usage_is_growth) for t in reversed(measured)
+                          if t.peak_bytes is not None), None)
                     if agreement is None else
                     next(a for a in reversed(agreed_trials) if a.fits and a.batch_size == answer
                          ).overhead_bytes)
@@ -549,10 +571,27 @@ class _CpuSearch(_Search):
             server = TrialServer(preloads_for(self.source), env=environment)
         self.server = server
         self.server.prepare(self.request)  # the first child warms up during the prediction
+        from batchfit.realrun.fresh import FreshPool
+
+        self.fresh = FreshPool(self.request, server.env, timeout_s=timeout_s)
+        self.available = available
 
     def close(self) -> None:
+        self.fresh.close()
         if self.owns_server:
             self.server.close()
+
+    def confirm(self, batch_size: int, count: int, until_failure: bool) -> list[Trial]:
+        """Runs in exec'd fresh interpreters: the user's process (:mod:`batchfit.realrun.fresh`)."""
+        return self.fresh.run(batch_size, count, until_failure=until_failure)
+
+    def start_confirming(self, runs: int) -> None:
+        """All of a batch's ``runs`` at once when memory allows (an interpreter's start,
+        ``import torch``, is most of a run's time), started now, during the search."""
+        from batchfit.realrun.fresh import parallel_runs
+
+        self.fresh.parallel = parallel_runs(self.cap_bytes, self.available, at_most=runs)
+        self.fresh.start()
 
     def predict(self) -> _Prediction:
         """Two traces (batch 16 and 32) give the state, the growth at 16 and the slope;
@@ -694,36 +733,64 @@ class _CudaSearch(_InProcessSearch):
         return _Prediction(result.max_batch_size, per_sample or None)
 
 
-def _settle_boundary(answer: int, trials: Sequence[Trial], run: Callable[[int], Trial],
-                     runs: int) -> tuple[int, tuple[tuple[int, int, int], ...]]:
-    """The largest batch that fits in every one of ``runs`` fresh processes, from the
-    search's answer: the answer and the batch above it are run until each has ``runs``
-    runs (the trials so far count), and while the answer fails in one of them the next
-    batch down is run as often. Returns it and ``(batch, fits, runs)`` for each batch run
-    so, from the answer's up to the first one above it.
+def _settle_boundary(answer: int, confirm: Callable[[int, int, bool], list[Trial]],
+                     runs: int, max_batch: int = 1 << 62,
+                     ) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+    """The largest batch that fits in every one of ``runs`` runs of the user's process,
+    searched from the search's answer; returns it and ``(batch, fits, runs)`` for it and
+    the batch above it.
+
+    ``confirm(batch, count, until_failure)`` runs ``count`` fresh processes (on the CPU:
+    exec'd interpreters, :mod:`batchfit.realrun.fresh`; the search's forked trials do not
+    count: they are not the user's process). A batch *holds* when it fits in all
+    ``runs`` of its runs (its runs stop at the first failure). From the answer the search
+    gallops (1, 2, 4, ... batches) up while batches hold, or down until one holds, then
+    bisects between the last batch that held and the first that did not. The batch above
+    the result is then run ``runs`` times, so its flakiness shows. The forked trials'
+    answer is usually within a few batches, so this costs a few rounds of ``runs``
+    interpreters (run at once when memory allows).
 
     A capped fresh process with glibc's default allocator is not a repeatable device: where
     the cap falls near the step's peak, the heap's layout decides, and it differs from
     process to process (threads, what was freed where). Measured here for a small CNN
-    under a 128 MiB cap in plain ``python`` processes: batch 41 fitted in 4 of 4, 42 in 1 of
-    4, 43 in 2 of 4. One run at each batch reports one draw; this reports the spread, and
-    answers the batch the user's process can count on."""
+    under a 128 MiB cap in plain ``python`` processes: batch 38 fitted in 3 of 3, 39 in 2
+    of 3, 40 in 1 of 2, 41 and 42 in none, 43 in 1 of 2. One run at each batch reports one
+    draw; this reports the spread, and answers the batch the user's process can count on."""
     outcomes: dict[int, list[bool]] = {}
-    for trial in trials:
-        outcomes.setdefault(trial.batch_size, []).append(trial.fits)
 
-    def fill(batch: int) -> list[bool]:
+    def fill(batch: int, until_failure: bool) -> list[bool]:
         seen = outcomes.setdefault(batch, [])
-        while len(seen) < runs and (all(seen) or batch > answer):
-            seen.append(run(batch).fits)
+        if len(seen) < runs and (all(seen) or not until_failure):
+            seen.extend(t.fits for t in confirm(batch, runs - len(seen), until_failure))
         return seen
 
-    top = answer + 1
-    fill(top)
-    while answer > 1 and not all(fill(answer)):
-        answer -= 1
-    settled = tuple((b, sum(outcomes[b]), len(outcomes[b]))
-                    for b in sorted(outcomes) if answer <= b <= top)
+    def holds(batch: int) -> bool:
+        return all(fill(batch, True))
+
+    answer = max(1, min(answer, max_batch))
+    step, above = 1, None
+    if holds(answer):
+        while answer < max_batch:
+            batch = min(answer + step, max_batch)
+            if not holds(batch):
+                above = batch
+                break
+            answer, step = batch, 2 * step
+    else:
+        above = answer
+        while True:
+            batch = max(1, above - step)
+            if holds(batch) or batch == 1:
+                answer = batch
+                break
+            above, step = batch, 2 * step
+    while above is not None and above - answer > 1:
+        middle = (answer + above) // 2
+        answer, above = (middle, above) if holds(middle) else (answer, middle)
+    if above is not None and above > answer:
+        fill(above, False)
+    settled = tuple((b, sum(outcomes[b]), len(outcomes[b])) for b in sorted(outcomes)
+                    if answer <= b <= (above or answer))
     return answer, settled
 
 

@@ -275,6 +275,7 @@ class TrialServer:
                  env: dict[str, str] | None = None, prepare_next: bool = True):
         self.preload = list(dict.fromkeys(["torch", "batchfit.realrun.trial_server", *preload]))
         env = dict(os.environ) if env is None else env
+        self.env = env  # also the environment of the search's exec'd boundary runs
         self._process = subprocess.Popen(
             [sys.executable, "-c", "from batchfit.realrun.trial_server import zygote_main; zygote_main()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)

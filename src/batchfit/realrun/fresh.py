@@ -1,0 +1,230 @@
+"""Trials in exec'd fresh interpreters: the user's own process, for the CPU search's boundary.
+
+A zygote child (:mod:`batchfit.realrun.trial_server`) is forked from an interpreter that
+has imported, unpickled and collected garbage before the fork; its heap starts with that
+history's free chunks, which serve the step's allocations under the cap without growing
+``VmData``. Its trials also run under a per-op usage tracker. Measured under a 128 MiB
+cap with torch's defaults (2 threads, glibc's default allocator; ``benchmarks/
+search_user_process.py``): a small CNN fitted 42 in 3 of 3 zygote children where plain
+``python -c`` processes fitted 38 in 3 of 3 (39-43 in some runs only), and a GPT-2 of two
+layers 23 where plain processes fitted 22. The bisection can use the fast zygote (its
+answer is a starting point); the answer the user gets is settled here, in processes
+that are what a user's training script is: ``sys.executable -c`` started with the
+caller's environment (or the trial server's), importing torch, the model's module and
+the step, building the model and the optimizer, one warm-up step at batch 1, the
+warm-up's gradients and batch dropped and collected, ``RLIMIT_DATA`` = ``VmData`` + cap,
+then the steps at batch B with no tracker, as a training loop runs them.
+
+An interpreter costs its ``import torch`` (3-10 s on this machine), so :class:`FreshPool`
+starts the first ones ahead, while the search's forked trials run (they import, build
+and warm up, then wait for their batch size on stdin), and runs up to ``parallel`` of
+them at once when the caps leave room. Later rounds start when they are needed: on two
+busy cores, interpreters started for a round that never comes only slow the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import resource
+import select
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from batchfit.errors import TrialError
+from batchfit.realrun.trial import Trial
+
+_CHILD = "from batchfit.realrun.fresh import child_main; child_main()"
+
+
+class _Child:
+    """One started interpreter: it prepares, then waits for a batch size on stdin."""
+
+    def __init__(self, request_path: str, env: dict[str, str]):
+        self.stderr = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, request_path], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.stderr, env=env)
+        self.started = time.perf_counter()
+
+    def go(self, batch_size: int) -> None:
+        with contextlib.suppress(BrokenPipeError, OSError):  # it died preparing: see result
+            self.process.stdin.write(struct.pack("<q", batch_size))
+            self.process.stdin.close()
+
+    def result(self, batch_size: int, cap: int | None, timeout_s: float | None) -> Trial:
+        stdout = self.process.stdout
+        if timeout_s is not None:
+            ready, _, _ = select.select([stdout], [], [], timeout_s)
+            if not ready:
+                self.kill()
+                raise TrialError(f"the trial did not finish within {timeout_s} s")
+        data = stdout.read()
+        status = self.process.wait()
+        try:
+            kind, value = pickle.loads(data)
+        except Exception:  # noqa: BLE001 - no reply: it died
+            self.stderr.seek(0)
+            tail = self.stderr.read().decode(errors="replace").strip().splitlines()[-5:]
+            how = f"signal {signal.Signals(-status).name}" if status < 0 else f"exit code {status}"
+            raise TrialError(f"the fresh trial process died ({how}) at batch {batch_size}: "
+                             + " | ".join(tail)) from None
+        finally:
+            self.stderr.close()
+        if kind == "error":
+            exc, text = value
+            exc.add_note(f"raised in the fresh trial process (batch {batch_size}):\n{text}")
+            raise exc
+        return Trial(batch_size, value["fits"], None, value["seconds"], value["error"],
+                     limit_bytes=cap, process="exec")
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        self.process.wait()
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        self.process.stdout.close()
+        self.stderr.close()
+
+
+class FreshPool:
+    """Exec'd fresh interpreters for one trial request, ``parallel`` kept ready ahead.
+
+    Args:
+        request: a :class:`~batchfit.realrun.trial_server.TrialRequest` (its batch size is
+            ignored: each run gets its own).
+        env: the interpreters' environment (the user's process's: glibc reads
+            ``MALLOC_*`` and OpenMP ``OMP_*`` from it at start-up).
+        parallel: interpreters run at once (each under its own cap).
+        timeout_s: a run longer than this raises :class:`TrialError`.
+    """
+
+    def __init__(self, request: Any, env: dict[str, str], *, parallel: int = 1,
+                 timeout_s: float | None = None):
+        from batchfit.realrun.trial_server import _main_path
+
+        self.cap, self.parallel, self.timeout_s = request.cap_bytes, max(1, parallel), timeout_s
+        self.env = env
+        handle, self.path = tempfile.mkstemp(prefix="batchfit-request-", suffix=".pkl")
+        with os.fdopen(handle, "wb") as out:
+            pickle.dump({"request": request.preparation(),
+                         "sys_path": list(sys.path),
+                         "main_path": _main_path(), "cwd": os.getcwd()}, out)
+        self.ready: list[_Child] = []
+
+    def start(self) -> None:
+        """Start the interpreters ahead (they prepare while the caller does other work)."""
+        while len(self.ready) < self.parallel:
+            self.ready.append(_Child(self.path, self.env))
+
+    def run(self, batch_size: int, count: int, *, until_failure: bool = False) -> list[Trial]:
+        """``count`` fresh runs at ``batch_size``, ``parallel`` at a time; with
+        ``until_failure``, none after a round in which one did not fit."""
+        trials: list[Trial] = []
+        while len(trials) < count:
+            self.start()
+            wave = [self.ready.pop(0) for _ in range(min(self.parallel, count - len(trials)))]
+            for child in wave:
+                child.go(batch_size)
+            for child in wave:
+                trials.append(child.result(batch_size, self.cap, self.timeout_s))
+            if until_failure and not all(t.fits for t in trials):
+                break
+        return trials
+
+    def close(self) -> None:
+        for child in self.ready:
+            child.kill()
+        self.ready = []
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def parallel_runs(cap_bytes: int | None, available_bytes: int, at_most: int = 2) -> int:
+    """How many capped interpreters may run at once: each may grow by its cap (and holds
+    torch and the model besides, counted as another cap's worth, at least 1 GiB)."""
+    if cap_bytes is None:
+        return 1
+    each = cap_bytes + max(cap_bytes, 1 << 30)
+    return max(1, min(at_most, available_bytes // max(1, each)))
+
+
+# --------------------------------------------------------------------------- in the child
+
+
+def child_main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of a fresh trial interpreter (internal): see the module docstring."""
+    path = (argv if argv is not None else sys.argv)[1]
+    reply = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything the model prints goes to stderr, never into the reply
+    try:
+        result = _prepare_and_run(path)
+        message = ("result", result)
+    except BaseException as exc:  # noqa: BLE001 - sent back and re-raised in the parent
+        from batchfit.realrun.trial_server import _packed_exception
+
+        message = ("error", _packed_exception(exc))
+    if message[1] is not None:
+        reply.write(pickle.dumps(message))
+    reply.close()
+
+
+def _prepare_and_run(path: str) -> dict[str, Any] | None:
+    import gc
+
+    with open(path, "rb") as source:
+        setup_data = pickle.load(source)
+    sys.path[:] = setup_data["sys_path"]
+    with contextlib.suppress(OSError):
+        os.chdir(setup_data["cwd"])
+    import torch
+
+    from batchfit.realrun.trial import _run_steps, _StepSetup, is_out_of_memory, vm_data_bytes
+    from batchfit.realrun.trial_server import (
+        _build_from_source,
+        _load_request,
+        _one_line,
+        _warm_up,
+    )
+
+    # unpickled after sys.path is the caller's (and, for a factory in the caller's
+    # script, after that script is imported as multiprocessing's spawn imports it)
+    request = _load_request(setup_data["request"], setup_data["main_path"])
+    if request.num_threads != torch.get_num_threads():  # the caller's, if it changed them
+        torch.set_num_threads(request.num_threads)
+    torch.manual_seed(0)
+    setup = _StepSetup.of(request.inputs, request.config, torch.device("cpu"))
+    model = setup.prepare(_build_from_source(request.model, setup))
+    generator = torch.Generator().manual_seed(0)
+    runner = setup.runner(model, None, generator)
+    _warm_up(runner, setup, generator)
+    runner.drop_gradients()
+    runner.batch = ((), {})
+    gc.collect()
+    data = b""
+    while len(data) < 8:
+        chunk = os.read(0, 8 - len(data))
+        if not chunk:
+            return None  # discarded before use
+        data += chunk
+    (batch_size,) = struct.unpack("<q", data)
+    if request.cap_bytes is not None:
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        resource.setrlimit(resource.RLIMIT_DATA, (vm_data_bytes() + request.cap_bytes, hard))
+    start = time.perf_counter()
+    fits, error = True, None
+    try:
+        _run_steps(runner, setup, batch_size, request.steps, generator, None)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        fits, error = False, _one_line(exc)
+    return {"fits": fits, "error": error, "seconds": time.perf_counter() - start}
