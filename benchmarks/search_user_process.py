@@ -171,15 +171,15 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "search_user_process.json").write_text(json.dumps(rows, indent=2) + "\n")
     lines = ["# The capped-CPU search against a plain fresh process (torch's defaults)", "",
-             f"AdamW, {device.STEPS} steps per trial; truth: the largest batch that fits in 3 of 3 "
-             "plain `python -c` processes (no MALLOC_MMAP_THRESHOLD_, no OMP_NUM_THREADS); "
-             f"batchfit's search with its defaults, {args.repeats} runs from a running trial "
-             "server (bisection in forked trials, the answer settled in exec'd fresh "
-             "interpreters); Lightning binsearch in one plain capped process (finder call "
-             "timed).", "",
-             "| model | cap MiB | truth | flaky above (fits/runs) | batchfit answers | correct | "
-             "recommended fits (plain) | trials | wall s | Lightning answers | Lightning trials | "
-             "Lightning wall s | wall ratio |", "|" + "---|" * 13]
+             (f"AdamW, {device.STEPS} steps per trial; truth: the largest batch that fits in 3 "
+              "of 3 plain `python -c` processes (no MALLOC_MMAP_THRESHOLD_, no OMP_NUM_THREADS); "
+              f"batchfit's search with its defaults, {args.repeats} runs from a running trial "
+              "server (bisection in forked trials, the answer settled in exec'd fresh "
+              "interpreters); Lightning binsearch in one plain capped process (finder call "
+              "timed)."), "",
+             ("| model | cap MiB | truth | flaky above (fits/runs) | batchfit answers | correct | "
+              "recommended fits (plain) | trials | wall s | Lightning answers | "
+              "Lightning trials | Lightning wall s | wall ratio |"), "|" + "---|" * 13]
     for r in rows:
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
         lwall = f"{r['lightning_wall_s']:.1f}" if r["lightning_wall_s"] else "-"

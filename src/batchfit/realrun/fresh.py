@@ -48,7 +48,7 @@ class _Child:
     """One started interpreter: it prepares, then waits for a batch size on stdin."""
 
     def __init__(self, request_path: str, env: dict[str, str]):
-        self.stderr = tempfile.TemporaryFile()
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the child
         self.process = subprocess.Popen(
             [sys.executable, "-c", _CHILD, request_path], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.stderr, env=env)

@@ -53,10 +53,12 @@ and near the cap the outcome depends on its layout. A small CNN under a 128 MiB 
 batch 62 with the threshold pinned at 128 KiB on one thread (what the trials ran before:
 every tensor of 128 KiB or more mapped on its own, a sharp and repeatable boundary) and
 41 in a plain ``python`` process with torch's defaults, where 42 fitted in 1 of 4 runs and
-43 in 2 of 4. So the search first finds a boundary as before (one trial per batch), then
-runs the answer and the batch above it in ``boundary_runs`` (3) fresh processes each; the
-answer must fit in all of them (else the search steps down), and ``SearchResult.boundary``
-says in how many the batch above fitted. ``reproducible=True`` brings back the pinned
+43 in 2 of 4. So the search first finds a boundary as before (one forked trial per
+batch), then settles it in exec'd fresh interpreters, the user's kind of process
+(:mod:`batchfit.realrun.fresh`; forks from the zygote fitted up to 4 batches more): the
+answer must fit in all of ``boundary_runs`` (3) of them (:func:`_settle_boundary`
+gallops and bisects from the forked answer), and ``SearchResult.boundary`` says in how
+many the batch above fitted. ``boundary_runs=1`` skips the settling. ``reproducible=True`` brings back the pinned
 threshold (a repeatable boundary of a process the user does not run).
 
 What the prediction misses on the CPU (``benchmarks/max_vs_true_cpu.py``): 5-7 MiB of
@@ -129,7 +131,7 @@ class SearchResult:
         limiting_rank: distributed: the lowest rank that ran out of memory at the
             batch after the answer (None otherwise).
         boundary: CPU: ``(batch_size, fits, runs)`` for the batches at the boundary, each
-            run in ``boundary_runs`` fresh processes: the answer fitted in all of its runs,
+            run in ``boundary_runs`` exec'd fresh interpreters: the answer fitted in all of its runs,
             the batch above it in ``fits`` of ``runs`` (flaky when 0 < fits < runs).
     """
 
@@ -220,8 +222,9 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
             caller makes them single-threaded): a repeatable boundary, but of a process
             the user does not run (a small CNN fitted 62 there and 41 in a plain process).
             By default the trials keep the caller's allocator settings and thread count.
-        boundary_runs: CPU: the answer must fit in this many fresh processes, and the batch
-            above it is run as often, so its flakiness shows (``SearchResult.boundary``).
+        boundary_runs: CPU: the answer must fit in this many exec'd fresh interpreters, and
+            the batch above it is run as often, so its flakiness shows
+            (``SearchResult.boundary``); 1: the forked trials' answer, not settled.
         timeout_s: a trial running longer than this raises (CPU).
         on_trial: called with each :class:`~batchfit.realrun.trial.Trial` as it finishes.
         trial_server: CPU: a running :class:`~batchfit.realrun.trial_server.TrialServer` to fork the
