@@ -168,12 +168,31 @@ def main() -> None:
             "ratio": (statistics.median(walls) / statistics.median(lwalls)) if lwalls else None,
             "boundaries": [s["boundary"] for s in searches],
         })
+        write_results(rows[-1], args.repeats)
+
+
+def write_results(row: dict, repeats: int) -> None:
+    """Merge ``row`` into the results (one row per model, so models can run in separate
+    processes, each writing as it finishes), then rewrite the table from all rows."""
+    import fcntl
+
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "search_user_process.json").write_text(json.dumps(rows, indent=2) + "\n")
+    path = RESULTS / "search_user_process.json"
+    with open(RESULTS / ".search_user_process.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rows = json.loads(path.read_text()) if path.exists() else []
+        rows = [r for r in rows if r["model"] != row["model"]] + [row]
+        order = list(device.MODELS)
+        rows.sort(key=lambda r: order.index(r["model"]) if r["model"] in order else len(order))
+        path.write_text(json.dumps(rows, indent=2) + "\n")
+        write_table(rows, repeats)
+
+
+def write_table(rows: list[dict], repeats: int) -> None:
     lines = ["# The capped-CPU search against a plain fresh process (torch's defaults)", "",
              (f"AdamW, {device.STEPS} steps per trial; truth: the largest batch that fits in 3 "
               "of 3 plain `python -c` processes (no MALLOC_MMAP_THRESHOLD_, no OMP_NUM_THREADS); "
-              f"batchfit's search with its defaults, {args.repeats} runs from a running trial "
+              f"batchfit's search with its defaults, {repeats} runs from a running trial "
               "server (bisection in forked trials, the answer settled in exec'd fresh "
               "interpreters); Lightning binsearch in one plain capped process (finder call "
               "timed)."), "",
