@@ -3,11 +3,12 @@
 A zygote child (:mod:`batchfit.realrun.trial_server`) is forked from an interpreter that
 has imported, unpickled and collected garbage before the fork; its heap starts with that
 history's free chunks, which serve the step's allocations under the cap without growing
-``VmData``. Its trials also run under a per-op usage tracker. Measured under a 128 MiB
-cap with torch's defaults (2 threads, glibc's default allocator; ``benchmarks/
-search_user_process.py``): a small CNN fitted 42 in 3 of 3 zygote children where plain
-``python -c`` processes fitted 38 in 3 of 3 (39-43 in some runs only), and a GPT-2 of two
-layers 23 where plain processes fitted 22. The bisection can use the fast zygote (its
+``VmData``. Its trials also run under a per-op usage tracker. It is not the process a
+user trains in, so it cannot settle the answer the user gets. (Measured under a 128 MiB
+cap with torch's defaults, ``benchmarks/search_user_process.py``: settled in zygote
+children, a small CNN's answer was 38, 38 and 42 in three searches, the plain-process
+truth 38; but plain processes themselves fitted 39-43 in some runs, so that data shows
+the device's spread more than a bias of the forks.) The bisection can use the fast zygote (its
 answer is a starting point); the answer the user gets is settled here, in processes
 that are what a user's training script is: ``sys.executable -c`` started with the
 caller's environment (or the trial server's), importing torch, the model's module and

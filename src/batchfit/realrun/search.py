@@ -55,7 +55,7 @@ every tensor of 128 KiB or more mapped on its own, a sharp and repeatable bounda
 41 in a plain ``python`` process with torch's defaults, where 42 fitted in 1 of 4 runs and
 43 in 2 of 4. So the search first finds a boundary as before (one forked trial per
 batch), then settles it in exec'd fresh interpreters, the user's kind of process
-(:mod:`batchfit.realrun.fresh`; forks from the zygote fitted up to 4 batches more): the
+(:mod:`batchfit.realrun.fresh`; forks start from the zygote's heap): the
 answer must fit in all of ``boundary_runs`` (3) of them (:func:`_settle_boundary`
 gallops and bisects from the forked answer), and ``SearchResult.boundary`` says in how
 many the batch above fitted. ``boundary_runs=1`` skips the settling. ``reproducible=True`` brings back the pinned

@@ -33,10 +33,9 @@ one thread (``OMP_NUM_THREADS=1`` or ``torch.set_num_threads(1)`` in the caller)
 more threads each trial child builds and warms up itself, one prepared ahead.
 
 That equivalence was measured with glibc's mmap threshold pinned, on one thread. With
-glibc's defaults and torch's threads (what a user's script runs) it does not hold: forks
-from the zygote fitted up to 4 batches more than plain ``python -c`` processes (a small
-CNN under 128 MiB: 42 against 38), so the CPU search settles its answer in exec'd
-interpreters (:mod:`batchfit.realrun.fresh`) and uses forks for its bisection only.
+glibc's defaults and torch's threads (what a user's script runs) a fork still starts
+from the zygote's heap, which a fresh process does not, so the CPU search settles its
+answer in exec'd interpreters (:mod:`batchfit.realrun.fresh`) and uses forks for its bisection only.
 
 Known limitations:
     * A child killed by a signal after the cap was set (a library that aborts when
