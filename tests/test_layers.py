@@ -23,6 +23,7 @@ LAYERS = {
     "batchfit.engine": 10,
     "batchfit.device": 20,
     "batchfit.models": 20,
+    "batchfit.sharding": 25,
     "batchfit.answers": 30,
     "batchfit.realrun": 40,
     "batchfit.speed": 50,

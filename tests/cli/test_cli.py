@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -353,3 +355,23 @@ def test_bench_time_budget_zero_is_bad_input(factory_file):
                     "--time-budget", "0")
     assert result.exit_code == 2
     assert "must be positive" in result.output
+
+
+def test_library_deprecation_logs_stay_off_stderr(tmp_path):
+    # transformers imports torchao's quantizer with every model it builds; torchao then
+    # registers Enums as pytree constants, which torch logs as deprecated on stderr (a
+    # warning per Enum, outside Python's warnings). The CLI keeps that chatter out.
+    pytest.importorskip("torchao")
+    factory = tmp_path / "quantized_import.py"
+    factory.write_text(
+        "import transformers.quantizers.quantizer_torchao  # noqa: F401 (as hf: models do)\n"
+        "from torch import nn\n\n"
+        "def build():\n"
+        "    return nn.Linear(8, 8)\n")
+    done = subprocess.run(
+        [sys.executable, "-c", "from batchfit.cli import main; main()", "estimate",
+         f"{factory}:build", "--batch-size", "2", "--input", "8", "--json"],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "register_constant" not in done.stderr
+    json.loads(done.stdout)

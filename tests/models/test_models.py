@@ -128,6 +128,33 @@ EXPECTED_PARAMS = {
     "EleutherAI/pythia-1b": (neox_params(50304, 2048, 16, 8192), 1_011_781_632),
 }
 
+#: The current LLM families (issue 15), each against the total parameter count its model card
+#: or hub page publishes, in billions, to the precision it is published with.
+PUBLISHED_BILLIONS = {
+    "meta-llama/Llama-3.1-70B": (70.6, 0.05),
+    "meta-llama/Llama-3.2-3B": (3.21, 0.005),
+    "Qwen/Qwen2.5-3B": (3.09, 0.005),
+    "Qwen/Qwen2.5-14B": (14.8, 0.05),
+    "Qwen/Qwen2.5-32B": (32.8, 0.05),
+    "Qwen/Qwen2.5-72B": (72.7, 0.05),
+    "Qwen/Qwen3-0.6B": (0.6, 0.05),
+    "Qwen/Qwen3-4B": (4.0, 0.05),
+    "Qwen/Qwen3-8B": (8.2, 0.05),
+    "Qwen/Qwen3-14B": (14.8, 0.05),
+    "Qwen/Qwen3-32B": (32.8, 0.05),
+    "Qwen/Qwen3-30B-A3B": (30.5, 0.05),
+    "mistralai/Mistral-7B-v0.3": (7.25, 0.005),
+    "mistralai/Mixtral-8x7B-v0.1": (46.7, 0.05),
+    "google/gemma-2-2b": (2.61, 0.005),
+    "google/gemma-2-9b": (9.24, 0.005),
+    "google/gemma-2-27b": (27.2, 0.05),
+    "google/gemma-3-1b-pt": (1.0, 0.005),
+    "microsoft/phi-4": (14.7, 0.05),
+    "deepseek-ai/DeepSeek-V2-Lite": (15.7, 0.05),
+    "deepseek-ai/DeepSeek-V3": (671.0, 0.5),
+    "tiiuae/falcon-mamba-7b": (7.27, 0.005),
+}
+
 
 # --------------------------------------------------------------------------- parse_model_kwargs
 
@@ -300,9 +327,24 @@ def test_hf_table_parameter_counts(hub_name):
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
+@pytest.mark.parametrize("name", sorted(PUBLISHED_BILLIONS))
+def test_llm_table_published_parameter_counts(name):
+    model = build(resolve_model(f"hf:{name}"))
+    billions = sum(p.numel() for p in model.parameters()) / 1e9
+    published, precision = PUBLISHED_BILLIONS[name]
+    assert abs(billions - published) <= precision, billions
+
+
+def test_moe_builds_every_expert():
+    # Qwen3-30B-A3B: 48 layers x 128 experts x 3 x 2048 x 768 expert weights
+    model = build(resolve_model("hf:Qwen/Qwen3-30B-A3B"))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert experts == 48 * 128 * 3 * 2048 * 768
+
+
 def test_every_table_entry_is_tested_and_names_its_config_class():
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    assert {e.hub_name for e in ENTRIES} == set(EXPECTED_PARAMS)
+    assert {e.hub_name for e in ENTRIES} == set(EXPECTED_PARAMS) | set(PUBLISHED_BILLIONS)
     for entry in ENTRIES:
         assert CONFIG_MAPPING[entry.config["model_type"]].__name__ == entry.config_class
 

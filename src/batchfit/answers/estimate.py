@@ -58,6 +58,7 @@ class MemoryEstimate:
     warnings: tuple[str, ...] = ()
     largest_tensor: tuple[int, str, str] = (0, "", "")  # (elements, op, module)
     largest_grid: tuple[int, str, str] = (0, "", "")  # (CUDA grid y/z extent, kernel, module)
+    host_backed_bytes: int = 0  # paged optimizer state in unified memory, outside total_bytes
 
     def explain(self) -> str:
         """One sentence saying what dominates the peak."""
@@ -90,6 +91,7 @@ class MemoryEstimate:
             "warnings": list(self.warnings),
             "largest_tensor_elements": self.largest_tensor[0],
             "largest_grid_dim": self.largest_grid[0],
+            "host_backed_bytes": self.host_backed_bytes,
         }
         if timeline:
             data["timeline"] = self.timeline.to_dict()
@@ -134,7 +136,7 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
 def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) -> MemoryEstimate:
     """Turn a trace into an estimate on ``device``."""
     steady = replay_events(trace.steady_events, device)
-    overhead = device.context_bytes
+    overhead = device.outside_allocator_bytes
     if trace.first_events is trace.steady_events:
         first_peak: int | None = steady.peak_reserved_bytes + overhead
     elif first_step:
@@ -154,4 +156,5 @@ def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) 
         peak_module=steady.peak_module, top_modules=steady.top_modules, timeline=steady,
         parameter_count=trace.parameter_count,
         trainable_parameter_count=trace.trainable_parameter_count, warnings=warnings,
-        largest_tensor=trace.largest_tensor, largest_grid=trace.largest_grid)
+        largest_tensor=trace.largest_tensor, largest_grid=trace.largest_grid,
+        host_backed_bytes=trace.host_backed_bytes)

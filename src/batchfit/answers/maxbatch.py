@@ -85,9 +85,20 @@ class MaxBatchResult:
     evaluated: tuple[tuple[int, int], ...]
     device: DeviceProfile
     note: str = ""
+    parallel: Any = None  # a batchfit.sharding.Parallelism: the answer is per rank
+    ranks: tuple[tuple[int, int, int], ...] = ()  # (rank, max batch, bytes at it)
+    binding_rank: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         est = self.estimate_at_max
+        data = self._to_dict(est)
+        if self.parallel is not None:
+            data.update(parallel=self.parallel.to_dict(), binding_rank=self.binding_rank,
+                        ranks=[{"rank": r, "max_batch_size": b, "total_bytes_at_max": t}
+                               for r, b, t in self.ranks])
+        return data
+
+    def _to_dict(self, est: MemoryEstimate) -> dict[str, Any]:
         return {
             "max_batch_size": self.max_batch_size,
             "budget_bytes": self.budget_bytes,
@@ -104,6 +115,7 @@ class MaxBatchResult:
             "explanation": est.explain(),
             "evaluated": [list(pair) for pair in self.evaluated],
             "note": self.note,
+            "host_backed_bytes": est.host_backed_bytes,
         }
 
 
@@ -136,7 +148,7 @@ def _budget(profile: DeviceProfile, memory_bytes: int | None, margin: float) -> 
     if memory is None:
         raise InvalidInputError(
             "no memory budget for the CPU: give memory_bytes (--memory 16GiB) or a GPU")
-    overhead = profile.context_bytes + profile.workspace_bytes
+    overhead = profile.outside_allocator_bytes + profile.workspace_bytes
     budget = int(memory * (1 - margin)) - overhead
     if budget <= 0:
         raise NothingFits(overhead, int(memory * (1 - margin)), smallest=0)
@@ -155,7 +167,9 @@ def _allocator_bytes(est: MemoryEstimate) -> int:
 def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *,
                    device: DeviceProfile | str | None = None, memory_bytes: int | None = None,
                    margin: float = 0.0, max_batch_limit: int = DEFAULT_MAX_BATCH_LIMIT,
-                   on_trace: Callable[[int], None] | None = None, **options: Any) -> MaxBatchResult:
+                   on_trace: Callable[[int], None] | None = None,
+                   fit_batches: tuple[int, int] | None = None, parallel: Any = None,
+                   nccl: Any = None, **options: Any) -> MaxBatchResult:
     """The largest batch size whose step fits the device.
 
     Args:
@@ -167,12 +181,57 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         margin: a fraction of memory kept free on top of the model (default 0).
         max_batch_limit: the largest answer reported; ``binding_constraint`` says when it binds.
         on_trace: called with each batch size before it is traced (progress display).
+        fit_batches: the two batch sizes traced first to interpolate the step (default 16
+            and 32). A workload whose answer is likely small (LLM fine-tuning at long
+            context: the weights fill the card) saves traces with ``(2, 3)``, since
+            the confirming pair is then the pair already traced (batch 1 cannot pair with
+            2 for LLMs: its trace has two ops fewer).
+        parallel: a :class:`batchfit.sharding.Parallelism`: the answer is the per-GPU
+            (micro-)batch that fits every rank; ``binding_rank`` names the rank that
+            limits it (:mod:`batchfit.answers.ranks`).
+        nccl: a :class:`batchfit.sharding.NcclMemory` (NCCL's buffers; with ``parallel``).
 
     Raises:
         NothingFits: batch 1 does not fit (``needed_bytes`` vs ``budget_bytes``).
     """
     config = make_config(config, options)
     profile = resolve_device(device)
+    if parallel is not None:
+        return _max_batch_per_rank(model, inputs, config, profile, parallel, nccl,
+                                   memory_bytes, margin, max_batch_limit, on_trace, fit_batches)
+    return _max_batch(model, inputs, config, profile, memory_bytes, margin, max_batch_limit,
+                      on_trace, None, fit_batches)
+
+
+def _max_batch_per_rank(model: Any, inputs: Any, config: TrainConfig, profile: DeviceProfile,
+                        parallel: Any, nccl: Any, memory_bytes: int | None, margin: float,
+                        max_batch_limit: int, on_trace: Callable[[int], None] | None,
+                        fit_batches: tuple[int, int] | None) -> MaxBatchResult:
+    """The smallest of the traced ranks' answers (:meth:`Parallelism.ranks_to_trace`)."""
+    from batchfit.answers.ranks import rank_profile
+    from batchfit.sharding.rank import trace_config
+    from batchfit.sharding.transforms import transform_for
+
+    ranked = rank_profile(profile, parallel, nccl)
+    run_config = trace_config(config, parallel)
+    results = []
+    for rank in parallel.ranks_to_trace():
+        def make_transform(rank: int = rank) -> Any:
+            return transform_for(parallel, rank, config.precision)
+
+        results.append((rank, _max_batch(model, inputs, run_config, ranked, memory_bytes,
+                                         margin, max_batch_limit, on_trace, make_transform,
+                                         fit_batches)))
+    binding_rank, binding = min(results, key=lambda pair: (pair[1].max_batch_size, pair[0]))
+    return replace(binding, parallel=parallel, binding_rank=binding_rank, ranks=tuple(
+        (rank, r.max_batch_size, r.total_bytes_at_max) for rank, r in results))
+
+
+def _max_batch(model: Any, inputs: Any, config: TrainConfig, profile: DeviceProfile,
+               memory_bytes: int | None, margin: float, max_batch_limit: int,
+               on_trace: Callable[[int], None] | None,
+               make_transform: Callable[[], Any] | None,
+               fit_batches: tuple[int, int] | None = None) -> MaxBatchResult:
     memory, budget = _budget(profile, memory_bytes, margin)
     estimates: dict[int, MemoryEstimate] = {}
     traces: dict[int, StepTrace] = {}
@@ -180,7 +239,9 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
 
     def trace(batch_size: int) -> tuple[StepTrace, MemoryEstimate]:
         """The trace and its summary (a worker summarises its own, in parallel)."""
-        traced = trace_step(model, inputs, batch_size, config, profile, reuse)
+        transform = make_transform() if make_transform is not None else None
+        traced = trace_step(model, inputs, batch_size, config, profile, reuse,
+                            transform=transform)
         return traced, summarize(traced, profile, first_step=False)
 
     pool = _trace_pool(trace, model, profile, reuse, config)
@@ -197,7 +258,7 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
 
     with pool:
         answer = _answer_from_interpolation(peak, prefetch, traces, profile, budget,
-                                            max_batch_limit)
+                                            max_batch_limit, fit_batches or _FIT_BATCHES)
         if answer is None:
             answer = solve_max_batch(peak, budget,
                                      max_batch_limit=max_batch_limit).max_batch_size
@@ -218,7 +279,7 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
                 f"dimension of {extent:,} (> 65,535): CUDA refuses the launch")
     at_max = estimates[answer]
     if at_max.first_step_peak_bytes is None:  # the solver's traces skip the first step
-        at_max = replace(at_max, first_step_peak_bytes=profile.context_bytes + needed_bytes(
+        at_max = replace(at_max, first_step_peak_bytes=profile.outside_allocator_bytes + needed_bytes(
             traces[answer].first_events, profile))
     at_next = estimates.get(answer + 1)
     return MaxBatchResult(
@@ -234,9 +295,10 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
 def _trace_pool(trace: Callable[[int], Any], model: Any, profile: DeviceProfile,
                 reuse: TraceReuse, config: TrainConfig) -> TracePool:
     """A pool that traces two at a time for CUDA targets; a factory's model is built on
-    meta first, so the worker forked later inherits it instead of building its own."""
+    meta first (with its LLM workload applied), so the worker forked later inherits it
+    instead of building its own."""
     if profile.is_cuda:
-        reuse.build_model(model, config.precision.value)
+        reuse.build_model(model, config)
     return TracePool(trace, allowed=profile.is_cuda)
 
 
@@ -257,7 +319,8 @@ _FIT_BATCHES = (16, 32)
 
 def _answer_from_interpolation(peak: Callable[[int], int], prefetch: Callable[..., None],
                                traces: dict[int, StepTrace], device: DeviceProfile, budget: int,
-                               limit: int) -> int | None:
+                               limit: int, fit_batches: tuple[int, int] = _FIT_BATCHES
+                               ) -> int | None:
     """Solve on events interpolated from two traces, then confirm B* and B*+1 by tracing.
 
     When the step's op sequence does not depend on the batch size, every event of a
@@ -268,7 +331,7 @@ def _answer_from_interpolation(peak: Callable[[int], int], prefetch: Callable[..
     the guess fails its confirmation, nothing may fit (the solver then traces B=1 and
     says so), or the range is too small.
     """
-    small, large = _FIT_BATCHES
+    small, large = fit_batches
     if limit <= large:
         return None
     prefetch(small, large)

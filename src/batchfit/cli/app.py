@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import re
 import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import typer
@@ -21,7 +23,6 @@ from rich.console import Console
 from batchfit._gc import freeze_after_imports
 from batchfit.engine.spec import (
     Mode,
-    OptimizerName,
     Precision,
     parse_duration,
     parse_enum,
@@ -44,19 +45,50 @@ SeqOpt = typer.Option(None, "--seq-len", help="sequence length for token models"
 ModeOpt = typer.Option("train", "--mode", help="train or infer")
 OptimOpt = typer.Option(
     None, "--optimizer",
-    help="sgd, momentum, nesterov, adam, adamw, adagrad, rmsprop, adafactor (default adamw; "
+    help="sgd, momentum, nesterov, adam, adamw, adagrad, rmsprop, adafactor, lion, adamw8bit, "
+         "adam8bit, lion8bit, paged-adamw8bit, paged-adamw32bit, paged-lion8bit (default adamw; "
          "a compiled Keras model: its own)")
-PrecOpt = typer.Option("fp32", "--precision", help="fp32, tf32, amp-fp16, amp-bf16, bf16, fp16")
-CkptOpt = typer.Option(False, "--checkpointing", help="activation checkpointing")
+PrecOpt = typer.Option(None, "--precision", help="fp32, tf32, amp-fp16, amp-bf16, bf16, fp16 "
+                       "(default fp32; amp-bf16 with --quant, as the QLoRA recipe computes)")
+CkptOpt = typer.Option(None, "--checkpointing/--no-checkpointing",
+                       help="activation checkpointing (default off; on with --quant, as peft's "
+                       "prepare_model_for_kbit_training does)")
 ClOpt = typer.Option(False, "--channels-last", help="channels-last memory format")
 OverheadOpt = typer.Option(
     None, "--overhead",
     help="memory outside the tensors, e.g. 600MiB: the CUDA context (GPU), or the CPU runtime's "
          "overhead (--device cpu; max measures it with one real step unless given)")
 KwargsOpt = typer.Option(None, "--model-kwargs", help="key=value passed to the model builder")
+LoraOpt = typer.Option(None, "--lora", help="peft LoRA, e.g. r=16,alpha=32,targets=all-linear"
+                       "[,dropout=0.05,save=lm_head,dtype=fp32|base,dora=true]; lists join with +")
+QuantOpt = typer.Option(None, "--quant", help="bitsandbytes base weights: nf4, nf4-dq, fp4, "
+                        "fp4-dq (dq: double quantization) or int8 (LLM.int8)")
+LossOpt = typer.Option("standard", "--loss", help="standard (the model's own loss) or chunked "
+                       "(Liger's fused linear cross-entropy; GPU targets)")
+AccumOpt = typer.Option(1, "--grad-accum", help="micro-batches per optimizer step "
+                        "(the batch size is the micro-batch)")
+ReentrantOpt = typer.Option(False, "--use-reentrant",
+                            help="Hugging Face checkpointing with use_reentrant=True")
+PackingOpt = typer.Option(False, "--packing", help="several documents per row "
+                          "(position_ids restarting per document)")
+AttnOpt = typer.Option(None, "--attn", help="attention implementation: sdpa (default), eager "
+                       "or flash (flash-attention kernels; GPU, fp16/bf16, sm80+)")
 JsonOpt = typer.Option(False, "--json", help="print one JSON object")
 PlotOpt = typer.Option(None, "--plot", help="write a PNG plot here")
 DebugOpt = typer.Option(False, "--debug", help="show tracebacks")
+WorldOpt = typer.Option(None, "--world-size",
+                        help="multi-GPU: GPUs the step is spread over (the batch is per GPU)")
+StrategyOpt = typer.Option(None, "--strategy", help="ddp (default), fsdp, fsdp-grad-op, hsdp, "
+                           "fsdp1, zero1, zero2, zero3, tp")
+OffloadOpt = typer.Option("none", "--offload", help="none, optimizer (ZeRO), params")
+TpOpt = typer.Option(1, "--tp", help="tensor-parallel degree (with --strategy tp or fsdp)")
+NodesOpt = typer.Option(1, "--nodes", help="machines the GPUs span (HSDP, NCCL, links)")
+RankOpt = typer.Option(None, "--rank", help="trace this rank only (default: 0 and the last)")
+WrapOpt = typer.Option(None, "--wrap",
+                       help="FSDP units: module class names, comma-separated (default: "
+                            "every block of a list of repeated blocks)")
+NcclOpt = typer.Option(None, "--nccl-memory",
+                       help="NCCL's memory per communicator, e.g. 600MiB (default: modelled)")
 
 
 @contextlib.contextmanager
@@ -131,24 +163,91 @@ def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
     return profile, memory_bytes
 
 
+@dataclass(frozen=True)
+class LlmArgs:
+    """The LLM options of ``estimate`` and ``max`` (README, "LLM fine-tuning")."""
+
+    lora: str | None = None
+    quant: str | None = None
+    loss: str = "standard"
+    grad_accum: int = 1
+    use_reentrant: bool = False
+    packing: bool = False
+    attn: str | None = None
+
+
+_ATTN = {"sdpa": "sdpa", "eager": "eager", "flash": "flash", "flash-attention-2": "flash",
+         "flash_attention_2": "flash"}
+
+
+def _parallel(world_size: int | None, strategy: str | None, offload: str, tp: int,
+              nodes: int, rank: int | None, wrap: str | None,
+              nccl_memory: str | None) -> tuple[Any, Any]:
+    """The multi-GPU layout and NCCL model of the options, or (None, None)."""
+    if world_size is None:
+        given = [name for name, value in (("--strategy", strategy), ("--tp", tp != 1),
+                                          ("--nodes", nodes != 1), ("--rank", rank),
+                                          ("--wrap", wrap), ("--nccl-memory", nccl_memory),
+                                          ("--offload", offload != "none")) if value]
+        if given:
+            raise InvalidInputError(f"{given[0]} is a multi-GPU option: add --world-size N")
+        return None, None
+    from batchfit.sharding import NcclMemory, Parallelism
+
+    units = tuple(w.strip() for w in wrap.split(",") if w.strip()) if wrap else None
+    layout = Parallelism(world_size=world_size, strategy=strategy or "ddp", offload=offload,
+                         tp=tp, nodes=nodes, rank=rank, wrap=units)
+    nccl = NcclMemory(per_communicator_bytes=parse_size(nccl_memory, allow_zero=True)) \
+        if nccl_memory is not None else None
+    return layout, nccl
+
+
 def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str,
-           optimizer: str | None, precision: str, checkpointing: bool, channels_last: bool,
-           model_kwargs: list[str] | None) -> tuple[Any, Any, Any]:
+           optimizer: str | None, precision: str | None, checkpointing: bool | None,
+           channels_last: bool, model_kwargs: list[str] | None,
+           llm: LlmArgs | None = None) -> tuple[Any, Any, Any]:
     from dataclasses import replace
 
-    from batchfit.engine.spec import TrainConfig
+    from batchfit.engine.spec import TrainConfig, parse_optimizer
     from batchfit.models.resolve import parse_model_kwargs, resolve_model
 
+    llm = llm or LlmArgs()
+    if precision is None:  # QLoRA computes in bf16 (bnb_4bit_compute_dtype, bf16=True)
+        precision = "amp-bf16" if llm.quant is not None else "fp32"
+    if checkpointing is None:  # prepare_model_for_kbit_training(use_gradient_checkpointing=True)
+        checkpointing = llm.quant is not None
+    if llm.grad_accum < 1:
+        raise InvalidInputError(f"--grad-accum must be a positive integer, not {llm.grad_accum}")
     config = TrainConfig(
         mode=parse_enum(Mode, mode, "mode"),
-        optimizer=parse_enum(OptimizerName, optimizer or "adamw", "optimizer"),
+        optimizer=parse_optimizer(optimizer or "adamw"),
         precision=parse_enum(Precision, precision, "precision"),
-        checkpointing=checkpointing, channels_last=channels_last)
+        checkpointing=checkpointing, channels_last=channels_last,
+        lora=llm.lora, quant=llm.quant, loss=llm.loss, grad_accum_steps=llm.grad_accum,
+        use_reentrant=llm.use_reentrant,
+        # flash attention takes packed rows as varlen sequences and builds no mask
+        packing=llm.packing and _ATTN.get((llm.attn or "sdpa").strip().lower()) != "flash")
+    if config.quant is not None and config.lora is None and config.mode is Mode.TRAIN:
+        raise InvalidInputError(
+            f"--quant {config.quant.method.value} freezes the quantized base weights, so "
+            "nothing would train: add --lora (QLoRA), or use --mode infer")
+    if llm.use_reentrant and not checkpointing:
+        raise InvalidInputError("--use-reentrant applies to checkpointing: add --checkpointing")
     if seq_len is not None and seq_len < 1:
         raise InvalidInputError(f"--seq-len must be a positive integer, not {seq_len}")
     shape = parse_shape(input_shape) if input_shape is not None else None
-    spec = resolve_model(model, model_kwargs=parse_model_kwargs(model_kwargs or []),
-                         seq_len=seq_len, input_shape=shape)
+    kwargs = parse_model_kwargs(model_kwargs or [])
+    if llm.attn is not None:
+        attn = _ATTN.get(llm.attn.strip().lower())
+        if attn is None:
+            raise InvalidInputError(f"unknown --attn {llm.attn!r}: use sdpa, eager or flash")
+        if "attn_implementation" in kwargs:
+            raise InvalidInputError("give --attn or --model-kwargs attn_implementation=..., "
+                                    "not both")
+        # flash: the SDPA path, with the target's flash kernel required (checked later)
+        kwargs["attn_implementation"] = "sdpa" if attn == "flash" else attn
+    spec = resolve_model(model, model_kwargs=kwargs, seq_len=seq_len, input_shape=shape,
+                         packing=llm.packing)
     if not gc.isenabled():  # main() turned it off for the imports, which are done now
         freeze_after_imports()
     if spec.keras_compiled is False and optimizer is None:
@@ -187,12 +286,19 @@ def estimate_cmd(
         None, "--memory", help="with --gpu: the card's memory, e.g. 48GiB (its architecture, "
         "this much memory)"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: str = PrecOpt,
-    checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
+    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
+    checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
+    lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
+    grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
+    packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
+    world_size: Optional[int] = WorldOpt, strategy: Optional[str] = StrategyOpt,
+    offload: str = OffloadOpt, tp: int = TpOpt, nodes: int = NodesOpt,
+    rank: Optional[int] = RankOpt, wrap: Optional[str] = WrapOpt,
+    nccl_memory: Optional[str] = NcclOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
-    """Predict the peak memory of one step at a batch size."""
+    """Predict the peak memory of one step at a batch size (per GPU with --world-size)."""
     with _errors(debug):
         if batch_size < 1:
             raise InvalidInputError(f"--batch-size must be a positive integer, not {batch_size}")
@@ -201,13 +307,23 @@ def estimate_cmd(
             raise InvalidInputError(
                 "estimate --memory goes with --gpu NAME, as that card's memory; an estimate "
                 "on --device uses the device as it is (max --memory sets a budget)")
+        parallel, nccl = _parallel(world_size, strategy, offload, tp, nodes, rank, wrap,
+                                   nccl_memory)
         profile, _ = _resolve_device(gpu, device, memory, overhead, need_budget=False)
         with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
+            llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
-                                          checkpointing, channels_last, model_kwargs)
-            from batchfit.answers.estimate import estimate
+                                          checkpointing, channels_last, model_kwargs, llm)
+            _check_attn(llm, config, profile)
+            if parallel is None:
+                from batchfit.answers.estimate import estimate
 
-            est = estimate(spec.factory, inputs, batch_size, config, device=profile)
+                est = estimate(spec.factory, inputs, batch_size, config, device=profile)
+            else:
+                from batchfit.answers.ranks import estimate_ranks
+
+                est = estimate_ranks(spec.factory, inputs, batch_size, config, device=profile,
+                                     parallel=parallel, nccl=nccl)
         if plot:
             from batchfit.cli.plot import plot_estimate
 
@@ -229,21 +345,34 @@ def max_cmd(
     memory: Optional[str] = typer.Option(
         None, "--memory", help="memory budget, e.g. 24GiB; with --gpu NAME, that card's memory"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: str = PrecOpt,
-    checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
+    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
+    checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,
     margin: float = typer.Option(0.0, "--margin", help="fraction of memory kept free, e.g. 0.05"),
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
     max_limit: int = typer.Option(65536, "--max-batch-limit", help="largest batch considered"),
     batch_size: Optional[int] = typer.Option(
         None, "--batch-size", "-b",
         help="token models: fix the batch and find the longest --seq-len that fits"),
+    lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
+    grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
+    packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
+    world_size: Optional[int] = WorldOpt, strategy: Optional[str] = StrategyOpt,
+    offload: str = OffloadOpt, tp: int = TpOpt, nodes: int = NodesOpt,
+    rank: Optional[int] = RankOpt, wrap: Optional[str] = WrapOpt,
+    nccl_memory: Optional[str] = NcclOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
     """The largest batch size that fits the GPU (or a memory budget).
 
-    With --batch-size, the longest sequence length that fits at that batch instead.
+    With --batch-size, the longest sequence length that fits at that batch instead. With
+    --world-size, the largest per-GPU (micro-)batch that fits every rank.
     """
     with _errors(debug):
+        parallel, nccl = _parallel(world_size, strategy, offload, tp, nodes, rank, wrap,
+                                   nccl_memory)
+        if parallel is not None and batch_size is not None:
+            raise InvalidInputError("--batch-size (longest --seq-len) is single-GPU only: "
+                                    "drop it, or drop --world-size")
         if not 0 <= margin < 1:
             raise InvalidInputError(f"--margin {margin} must be a fraction in [0, 1), e.g. 0.05")
         if max_limit < 1:
@@ -253,8 +382,10 @@ def max_cmd(
         if not profile.is_cuda and memory_bytes is None:
             raise InvalidInputError("--device cpu needs --memory SIZE as the budget")
         with _progress(not as_json, f"resolving {model}...") as status:
+            llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
-                                          checkpointing, channels_last, model_kwargs)
+                                          checkpointing, channels_last, model_kwargs, llm)
+            _check_attn(llm, config, profile)
             if not profile.is_cuda and overhead is None:
                 if status is not None:
                     status.update(f"measuring the CPU runtime's overhead: one real step of {model}...")
@@ -270,9 +401,15 @@ def max_cmd(
                 if status is not None:
                     status.update(f"tracing {model} at batch {batch}...")
 
+            # LLM fine-tuning: the weights fill most of the card and the answer is small;
+            # tracing batches 2 and 3 first (batch 1 traces two ops fewer, so it cannot
+            # pair with 2) makes them the confirming pair too
+            small = config.lora is not None or config.quant is not None
             result = max_batch_size(spec.factory, inputs, config, device=profile,
                                     memory_bytes=memory_bytes, margin=margin,
-                                    max_batch_limit=max_limit, on_trace=on_trace)
+                                    max_batch_limit=max_limit, on_trace=on_trace,
+                                    fit_batches=(2, 3) if small else None,
+                                    parallel=parallel, nccl=nccl)
         if plot:
             from batchfit.cli.plot import plot_max_batch
 
@@ -285,6 +422,21 @@ def max_cmd(
         out.print(render_max_batch(result, model))
         if plot:
             out.print(f"plot written to {plot}")
+
+
+def _check_attn(llm: LlmArgs, config: Any, profile: Any) -> None:
+    """``--attn flash`` is the flash kernel the target must be able to run: flash-attention
+    (and SDPA's flash backend) need an sm80+ GPU and fp16/bf16 activations."""
+    if llm.attn is None or _ATTN.get(llm.attn.strip().lower()) != "flash":
+        return
+    half = config.precision.value in ("amp-fp16", "amp-bf16", "bf16", "fp16")
+    if not profile.is_cuda:
+        raise InvalidInputError("--attn flash runs flash-attention CUDA kernels: give --gpu NAME")
+    if tuple(profile.compute_capability or (0, 0)) < (8, 0) or not half:
+        raise InvalidInputError(
+            f"--attn flash needs an sm80+ GPU and fp16/bf16 (--precision amp-bf16, bf16...); "
+            f"{profile.name} is sm{''.join(map(str, profile.compute_capability or ()))} with "
+            f"{config.precision.value}: use --attn sdpa")
 
 
 def _measure_cpu_overhead(spec: Any, inputs: Any, config: Any) -> int:
@@ -300,10 +452,13 @@ def _measure_cpu_overhead(spec: Any, inputs: Any, config: Any) -> int:
 
 
 def _context_length(spec: Any) -> int | None:
-    """The model's maximum positions, read from its config (built on meta)."""
+    """The model's maximum positions, from its config (HF specs carry it; other models are
+    built on meta to read it)."""
     from batchfit.engine.fake import build_on_meta
     from batchfit.models.resolve import _max_positions
 
+    if getattr(spec, "max_positions", None):
+        return spec.max_positions
     built = build_on_meta(spec.factory)
     config = getattr(built, "config", None)
     return _max_positions(config) if config is not None else None
@@ -354,8 +509,8 @@ def search_cmd(
         help="CPU: exec'd fresh processes the answer must fit in (the batch above runs as "
         "often); 1: no settling, the forked trials' answer"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: str = PrecOpt,
-    checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
+    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
+    checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,
     model_kwargs: Optional[list[str]] = KwargsOpt,
     as_json: bool = JsonOpt, debug: bool = DebugOpt,
 ) -> None:
@@ -433,8 +588,8 @@ def bench_cmd(
     alignment: bool = typer.Option(False, "--alignment",
                                    help="measure B against multiples of 8, powers of two, B±1"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: str = PrecOpt,
-    checkpointing: bool = CkptOpt, channels_last: bool = ClOpt,
+    mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
+    checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,
     model_kwargs: Optional[list[str]] = KwargsOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
@@ -542,6 +697,129 @@ def _measure_progress(enabled: bool) -> Iterator[Any]:
         yield on_measure
 
 
+@app.command("serve")
+def serve_cmd(
+    model: str = typer.Argument(..., help="hf:NAME (offline table or a config directory)"),
+    gpu: str = typer.Option(..., "--gpu", help="a catalog GPU name (batchfit gpus lists them)"),
+    engine: str = typer.Option("vllm", "--engine", help="vllm (KV blocks) or hf (model.generate)"),
+    max_model_len: Optional[int] = typer.Option(
+        None, "--max-model-len", help="context per request (default: the model's)"),
+    utilization: float = typer.Option(0.9, "--gpu-memory-utilization",
+                                      help="fraction of the card vLLM may use"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's), bf16, fp16"),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="auto, fp16, bf16 or fp8"),
+    block_size: int = typer.Option(16, "--block-size", help="tokens per KV block"),
+    batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens",
+                                       help="tokens of vLLM's profile forward"),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="requests per batch"),
+    non_torch: Optional[str] = typer.Option(
+        None, "--non-torch", help="memory outside torch's allocator (default 0.35GiB)"),
+    total_memory: Optional[str] = typer.Option(
+        None, "--total-memory", help="the card's memory as CUDA reports it (default: catalog)"),
+    batch_size: int = typer.Option(1, "--batch-size", "-b", help="--engine hf: sequences"),
+    prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="--engine hf: prompt"),
+    new_tokens: int = typer.Option(256, "--new-tokens", help="--engine hf: generated tokens"),
+    quant: Optional[str] = typer.Option(None, "--quant", help="--engine hf: bitsandbytes "
+                                        "weights (nf4, nf4-dq, fp4, fp4-dq, int8)"),
+    all_logits: bool = typer.Option(False, "--all-logits", help="--engine hf: the prefill "
+                                    "computes every prompt position's logits "
+                                    "(transformers < 4.45)"),
+    model_kwargs: Optional[list[str]] = KwargsOpt,
+    as_json: bool = JsonOpt, debug: bool = DebugOpt,
+) -> None:
+    """Serving capacity: KV-cache bytes per token, blocks, tokens and concurrent sequences."""
+    with _errors(debug):
+        from batchfit.answers.serve import serve_capacity
+        from batchfit.models.resolve import parse_model_kwargs
+
+        with _progress(not as_json, f"tracing {model}'s profile forward on {gpu}..."):
+            result = serve_capacity(
+                model, device=_serve_gpu(gpu), engine=engine, max_model_len=max_model_len,
+                gpu_memory_utilization=utilization, dtype=dtype, kv_dtype=kv_dtype,
+                block_size=block_size, max_num_batched_tokens=batched_tokens,
+                max_num_seqs=max_num_seqs,
+                non_torch_bytes=parse_size(non_torch, allow_zero=True) if non_torch else None,
+                total_memory_bytes=parse_size(total_memory) if total_memory else None,
+                batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
+                model_kwargs=parse_model_kwargs(model_kwargs or []), quant=quant,
+                all_logits=all_logits)
+        if as_json:
+            _emit_json(result.to_dict())
+            return
+        from batchfit.cli.report import render_serve
+
+        out.print(render_serve(result))
+
+
+def _serve_gpu(name: str) -> Any:
+    from batchfit.device.catalog import find_gpu
+    from batchfit.device.profile import gpu_profile
+
+    return gpu_profile(find_gpu(name))
+
+
+@app.command("plan")
+def plan_cmd(
+    model: str = ModelArg,
+    gpus: str = typer.Option(..., "--gpus", help='how many GPUs of which card, e.g. 8x"H100 SXM"'),
+    global_batch: int = typer.Option(..., "--global-batch", help="samples per optimizer step"),
+    nodes: int = NodesOpt,
+    strategies: Optional[str] = typer.Option(
+        None, "--strategies", help="comma-separated strategies to try (default: ddp, fsdp, "
+        "fsdp-grad-op, zero1, zero2, zero3, and hsdp on several nodes)"),
+    tp_degrees: Optional[str] = typer.Option(
+        None, "--tp", help="tensor-parallel degrees to try with FSDP, e.g. 2,4"),
+    checkpointing_policy: str = typer.Option(
+        "auto", "--checkpointing", help="off, on, or auto (only where nothing fits without)"),
+    offload_policy: str = typer.Option(
+        "auto", "--offload", help="none, or auto (only where nothing fits without)"),
+    network_gbs: Optional[float] = typer.Option(
+        None, "--network-gbs", help="network between nodes per GPU, GB/s each way (default 50)"),
+    input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
+    optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
+    model_kwargs: Optional[list[str]] = KwargsOpt,
+    as_json: bool = JsonOpt, debug: bool = DebugOpt,
+) -> None:
+    """Rank multi-GPU layouts of a global batch by predicted step time, with memory per GPU."""
+    with _errors(debug):
+        with _progress(not as_json, f"resolving {model}...") as status:
+            spec, inputs, config = _setup(model, input_shape, seq_len, "train", optimizer,
+                                          precision, False, False, model_kwargs)
+            from batchfit.speed.plan import plan
+
+            def on_layout(label: str) -> None:
+                if status is not None:
+                    status.update(f"{model}: {label}...")
+
+            result = plan(spec.factory, inputs, config, gpus=gpus, global_batch=global_batch,
+                          nodes=nodes,
+                          strategies=[s.strip() for s in strategies.split(",") if s.strip()]
+                          if strategies else None,
+                          tp_degrees=_int_list(tp_degrees, "--tp"),
+                          checkpointing=checkpointing_policy.strip().lower(),
+                          offload=offload_policy.strip().lower(),
+                          network_bytes_per_s=network_gbs * 1e9 if network_gbs else None,
+                          on_layout=on_layout)
+        if as_json:
+            _emit_json({"model": model, **result.to_dict()})
+            return
+        from batchfit.cli.report import render_plan
+
+        out.print(render_plan(result, model))
+
+
+def _int_list(text: str | None, option: str) -> list[int]:
+    if not text:
+        return []
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise InvalidInputError(f"bad {option} {text!r}: give positive integers, e.g. 2,4")
+    return values
+
+
 @app.command("gpus")
 def gpus_cmd(as_json: bool = JsonOpt, debug: bool = DebugOpt) -> None:
     """List the GPU catalog."""
@@ -565,8 +843,15 @@ def main() -> None:
     # traces, unless the user chose another (then Keras models get one clear error)
     os.environ.setdefault("KERAS_BACKEND", "torch")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # bitsandbytes wraps CPU kernels a trace never runs in torch.compile at import, which
+    # pulls in torch._inductor (~5 s); this process only traces (engine/workloads/build.py)
+    os.environ.setdefault("BATCHFIT_BNB_NO_COMPILE", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    # The same kind of chatter through torch's logging: transformers imports torchao's
+    # quantizer with every model, and torchao registers Enums as pytree constants, which
+    # torch.utils._pytree.register_constant logs as deprecated (its only log call).
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     # The cyclic collector would walk the objects torch and the model library create
     # while they import, again and again (0.64 s in 6 walks of a 12 s `max`); _setup()
     # freezes them once they exist and turns it back on (batchfit/_gc.py).

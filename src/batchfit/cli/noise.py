@@ -159,7 +159,7 @@ def _throughput(loaded: Any, device: str | None, memory: str | None, gpu: str | 
         options = optimizer_options(loaded.optimizer)
     else:
         options = {"optimizer": OptimizerName.ADAMW}
-    config = TrainConfig(precision=parse_enum(Precision, precision, "precision"),
+    config = TrainConfig(precision=parse_enum(Precision, precision or "fp32", "precision"),
                          loss_fn=identity_loss, **options)
     batch_list = _parse_batches(batches)
     limit = min(source.size, 1 << 16)  # a batch larger than the data does not train

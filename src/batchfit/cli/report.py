@@ -48,6 +48,24 @@ def modules_table(top_modules: Sequence[Any], total_bytes: int) -> Table:
     return table
 
 
+def ranks_table(parallel: Any, rows: Sequence[tuple[int, str, int]], binding_rank: int | None,
+                title: str) -> Table:
+    """One row per traced rank: ``(rank, its answer, its bytes)``; the binding rank marked."""
+    layout = parallel.to_dict()
+    table = Table(title=f"{title}: {layout['world_size']} GPUs, {layout['strategy']}"
+                        + (f", tp {layout['tp']}" if layout["tp"] > 1 else "")
+                        + (f", offload {layout['offload']}" if layout["offload"] != "none" else "")
+                        + (f", {layout['nodes']} nodes" if layout["nodes"] > 1 else ""),
+                  title_justify="left")
+    table.add_column("rank", justify="right")
+    table.add_column("answer", justify="right")
+    table.add_column("memory", justify="right")
+    for rank, answer, nbytes in rows:
+        mark = " (binds)" if rank == binding_rank and len(rows) > 1 else ""
+        table.add_row(f"{rank}{mark}", answer, format_bytes(nbytes))
+    return table
+
+
 def unified_memory_note(device: Any) -> Text | None:
     """For a GPU that shares its memory with the CPU (Jetson), what the answer assumes."""
     if not getattr(device, "unified_memory", False):
@@ -71,19 +89,35 @@ def render_estimate(est: Any) -> Group:
         lines.append(Text(
             f"allocated {format_bytes(est.peak_allocated_bytes)}, reserved "
             f"{format_bytes(est.peak_reserved_bytes)}, + CUDA context "
-            f"{format_bytes(device.context_bytes)}; card {format_bytes(device.total_memory_bytes)}"))
+            f"{format_bytes(device.context_bytes)}"
+            + (f" + NCCL {format_bytes(device.nccl_bytes)}" if device.nccl_bytes else "")
+            + f"; card {format_bytes(device.total_memory_bytes)}"))
     if (note := unified_memory_note(device)) is not None:
         lines.append(note)
     if est.first_step_peak_bytes not in (None, est.total_bytes):
         lines.append(Text(f"first step (creates optimizer state): "
                           f"{format_bytes(est.first_step_peak_bytes)}"))
+    if getattr(est, "parallel", None) is not None:
+        lines.append(ranks_table(est.parallel, [
+            (r.rank, r.estimate.peak_phase.value, r.estimate.total_bytes) for r in est.ranks],
+            est.binding_rank, "Peak per rank"))
     lines.append(category_table(est.by_category, est.total_bytes, "Where the memory goes at the peak"))
     if est.top_modules:
         lines.append(modules_table(est.top_modules, est.total_bytes))
     lines.append(Text(est.explain(), style="italic"))
+    if getattr(est, "host_backed_bytes", 0):
+        lines.append(Text(host_backed_note(est.host_backed_bytes), style="cyan"))
     for warning in est.warnings:
         lines.append(Text(f"warning: {warning}", style="yellow"))
     return Group(*lines)
+
+
+def host_backed_note(nbytes: int) -> str:
+    """One line on paged optimizer state (unified memory), which the total leaves out."""
+    return (f"paged optimizer state: {format_bytes(nbytes)} in unified memory, not counted "
+            "above: it lives in host RAM and pages onto the GPU only while optimizer.step "
+            "touches it, into memory the allocator leaves free (never an out-of-memory error; "
+            "PCIe traffic instead)")
 
 
 def render_max_batch(result: Any, model: str) -> Group:
@@ -103,6 +137,8 @@ def render_max_batch(result: Any, model: str) -> Group:
     if device.is_cuda:
         budget.add_row("- CUDA context", format_bytes(device.context_bytes))
         budget.add_row("- cuBLAS workspaces", format_bytes(device.workspace_bytes))
+    if device.nccl_bytes:
+        budget.add_row("- NCCL buffers", format_bytes(device.nccl_bytes))
     if result.margin:
         budget.add_row(f"- margin {result.margin:.0%}", format_bytes(result.memory_bytes * result.margin))
     budget.add_row("= budget for the step", format_bytes(result.budget_bytes))
@@ -111,14 +147,51 @@ def render_max_batch(result: Any, model: str) -> Group:
         budget.add_row(f"needed at B={result.max_batch_size + 1}",
                        format_bytes(result.total_bytes_at_next))
     lines.append(budget)
+    if result.parallel is not None:
+        lines.append(ranks_table(result.parallel, [(rank, f"batch {batch}", nbytes)
+                                                   for rank, batch, nbytes in result.ranks],
+                                 result.binding_rank, "Largest per-GPU batch per rank"))
     lines.append(category_table(est.by_category, est.total_bytes,
                                 f"Where the memory goes at B={result.max_batch_size}"))
     if est.top_modules:
         lines.append(modules_table(est.top_modules, est.total_bytes))
     lines.append(Text(est.explain(), style="italic"))
+    if getattr(est, "host_backed_bytes", 0):
+        lines.append(Text(host_backed_note(est.host_backed_bytes), style="cyan"))
     constraint = result.binding_constraint.value
     lines.append(Text(f"binding constraint: {constraint}" + (f" ({result.note})" if result.note else "")
                       + f"; {result.traces} traces"))
+    return Group(*lines)
+
+
+def render_plan(result: Any, model: str) -> Group:
+    """The layouts, fastest first, then the infeasible ones with their reasons."""
+    table = Table(title=f"{model} on {result.world_size} x {result.gpu}"
+                        + (f" ({result.nodes} nodes)" if result.nodes > 1 else "")
+                        + f", global batch {result.global_batch_size}", title_justify="left")
+    for column in ("layout", "micro x accum", "memory/GPU", "compute", "comms", "step",
+                   "samples/s"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    notes = []
+    for row in result.rows:
+        name = (f"{row.strategy}{f' tp{row.tp}' if row.tp > 1 else ''}"
+                f"{' +ckpt' if row.checkpointing else ''}"
+                f"{f' +offload {row.offload}' if row.offload != 'none' else ''}")
+        if not row.feasible:
+            table.add_row(Text(name, style="dim"), "-", "-", "-", "-", "-", "-")
+            notes.append(Text(f"{name}: {row.reason}", style="dim"))
+            continue
+        table.add_row(name, f"{row.micro_batch_size} x {row.accumulation_steps}",
+                      format_bytes(row.memory_per_gpu_bytes), f"{row.compute_s:.3f} s",
+                      f"{row.communication_s:.3f} s", f"{row.step_s:.3f} s",
+                      f"{row.samples_per_s:,.1f}")
+    lines: list[Any] = [table, *notes]
+    if result.best is not None:
+        best = result.best
+        lines.append(Text(f"fastest: {best.strategy}, micro-batch {best.micro_batch_size} x "
+                          f"{best.accumulation_steps} accumulation steps "
+                          f"({best.step_s:.3f} s per step, no overlap of compute and "
+                          "communication assumed)", style="italic"))
     return Group(*lines)
 
 
@@ -188,4 +261,45 @@ def render_search(result: Any, model: str) -> Group:
     if boundary:
         lines.append(Text("in fresh processes: " + ", ".join(
             f"batch {b} fits in {k} of {n}" for b, k, n in boundary)))
+    return Group(*lines)
+
+
+def render_serve(result: Any) -> Group:
+    """Serving capacity: the memory budget, the KV layout and the answer."""
+    head_value = (f"{result.max_concurrency:.2f} requests of {result.max_model_len:,} tokens"
+                  if result.engine.value == "vllm" else
+                  f"peak {format_bytes(result.hf['total_bytes'])}, largest batch "
+                  f"{result.hf['max_batch_size']}")
+    lines: list[Any] = [Text.assemble(
+        ("Serving ", "bold"), f"{result.model} on {result.device.name} ({result.engine.value}): ",
+        (head_value, "bold green"))]
+    table = Table(show_header=False, box=None)
+    table.add_column()
+    table.add_column(justify="right")
+    table.add_row("card memory", format_bytes(result.device.total_memory_bytes))
+    if result.engine.value == "vllm":
+        table.add_row("x gpu_memory_utilization", format_bytes(result.requested_bytes))
+        table.add_row(f"- weights ({result.dtype})", format_bytes(result.weights_bytes))
+        table.add_row("- profile-run activation peak", format_bytes(result.activation_peak_bytes))
+        table.add_row("- non-torch memory", format_bytes(result.non_torch_bytes))
+        table.add_row("= KV cache", format_bytes(result.kv_cache_bytes))
+    else:
+        table.add_row(f"weights ({result.dtype})", format_bytes(result.weights_bytes))
+        table.add_row("prefill peak", format_bytes(result.hf["prefill_peak_bytes"]))
+        table.add_row("decode peak", format_bytes(result.hf["decode_peak_bytes"]))
+        table.add_row(f"KV cache at batch {result.hf['batch_size']}",
+                      format_bytes(result.kv_cache_bytes))
+    table.add_row(f"KV bytes per token ({result.kv_dtype})",
+                  format_bytes(result.kv_bytes_per_token))
+    if result.state_bytes_per_sequence:
+        table.add_row("state per sequence (Mamba)", format_bytes(result.state_bytes_per_sequence))
+    lines.append(table)
+    kinds = ", ".join(f"{n} {k}" for k, n in result.layer_kinds.items())
+    lines.append(Text(f"layers: {kinds}"))
+    if result.plan is not None:
+        plan = result.plan
+        lines.append(Text(
+            f"{plan.num_blocks:,} blocks of {plan.block_size} tokens = {plan.tokens:,} tokens of KV "
+            f"cache; {plan.blocks_per_request:,} blocks per request of {result.max_model_len:,} "
+            f"tokens -> maximum concurrency {result.max_concurrency:.2f}x"))
     return Group(*lines)

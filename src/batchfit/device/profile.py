@@ -57,6 +57,11 @@ class DeviceProfile:
         context_bytes: CUDA context and kernels, outside the allocator; on the CPU the
             runtime's memory beyond live tensors (see the module docstring).
         workspace_bytes: cuBLAS/cuDNN workspaces held through the allocator.
+        nccl_bytes: NCCL's own buffers on this GPU, outside the allocator (a rank of a
+            multi-GPU step; :mod:`batchfit.sharding.nccl`).
+        kernel_scratch: on the CPU, count the scratch memory kernels allocate and free
+            inside one op (:mod:`batchfit.engine.kernels`); False counts tensors only,
+            as a live-storage tracker sees them.
         unified_memory: the GPU shares ``total_memory_bytes`` with the CPU and the OS
             (Jetson); batchfit's answer then assumes all of it is free for CUDA.
     """
@@ -70,17 +75,25 @@ class DeviceProfile:
     sm_count: int | None = None
     unified_memory: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    nccl_bytes: int = 0
+    kernel_scratch: bool = True
 
     @property
     def is_cuda(self) -> bool:
         return self.kind is DeviceKind.CUDA
 
+    @property
+    def outside_allocator_bytes(self) -> int:
+        """Memory on the device beyond what the allocator holds: the context and NCCL."""
+        return self.context_bytes + self.nccl_bytes
+
     @classmethod
-    def cpu(cls, context_bytes: int = 0) -> "DeviceProfile":
-        """This CPU; ``context_bytes``: the runtime's memory beyond live tensors."""
+    def cpu(cls, context_bytes: int = 0, *, kernel_scratch: bool = True) -> "DeviceProfile":
+        """This CPU; ``context_bytes``: the runtime's memory beyond live tensors;
+        ``kernel_scratch``: count kernels' in-op scratch (False: tensors only)."""
         if context_bytes < 0:
             raise InvalidInputError("context_bytes must not be negative")
-        return cls(context_bytes=int(context_bytes))
+        return cls(context_bytes=int(context_bytes), kernel_scratch=bool(kernel_scratch))
 
     @classmethod
     def cuda(cls, total_memory_bytes: int, compute_capability: tuple[int, int] = (8, 0), *,
@@ -115,7 +128,7 @@ class DeviceProfile:
             "total_memory_bytes": self.total_memory_bytes,
             "compute_capability": list(self.compute_capability) if self.compute_capability else None,
             "context_bytes": self.context_bytes, "workspace_bytes": self.workspace_bytes,
-            "sm_count": self.sm_count,
+            "sm_count": self.sm_count, "nccl_bytes": self.nccl_bytes,
             "unified_memory": self.unified_memory,
         }
 

@@ -89,6 +89,8 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10)
         by_category[Category.ALLOCATOR_SLACK] = max(reserved) - live
     if device.is_cuda or device.context_bytes:
         by_category[Category.CONTEXT] = device.context_bytes + device.workspace_bytes
+    if device.nccl_bytes:
+        by_category[Category.NCCL] = device.nccl_bytes
     held = sum(modules.values()) or 1
     top_modules = tuple(
         ModuleMemory(name, size, size / held)

@@ -1,9 +1,11 @@
 """Every torch-private API batchfit touches lives here, so a torch upgrade touches one file.
 
 Private pieces used: ``FakeTensorMode`` and its exceptions, ``TorchDispatchMode``,
-``torch._C._current_autograd_node`` and autograd ``Node.metadata``; for the noise-scale
-hooks, the autograd engine's ``queue_callback``, ``torch._foreach_norm`` and GradScaler's
-``_get_scale_async``.
+``torch._C._current_autograd_node`` and autograd ``Node.metadata``, the traceable
+tensor-subclass protocol (``__tensor_flatten__``, for DTensor), and
+``torch.UntypedStorage.resize_`` (patched while a trace watches resizes, as torch's own
+``MemTracker`` does); for the noise-scale hooks, the autograd engine's ``queue_callback``,
+``torch._foreach_norm`` and GradScaler's ``_get_scale_async``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_leaves
 
 #: Exceptions a fake trace raises when an op's output depends on tensor data.
@@ -41,18 +47,121 @@ except ImportError:  # pragma: no cover - older torch
 _MODULE_KEY = "batchfit.module"
 
 
+def is_fake(tensor: Any) -> bool:
+    """Whether ``tensor`` is a fake tensor."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return isinstance(tensor, torch.Tensor) and _is_fake(tensor)
+
+
 def new_fake_mode() -> FakeTensorMode:
     """A fake mode that accepts real tensors met during the trace (constants, buffers)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[int, Any] | None:
-    """A stable identity of the tensor's storage, and the storage itself, or None."""
+    """A stable identity of the tensor's storage, and the storage itself, or None.
+
+    A wrapper subclass (DTensor) has no memory of its own: its inner tensors do
+    (:func:`inner_tensors`), so it has no key.
+    """
+    if is_traceable_wrapper_subclass(tensor):
+        return None
     try:
         storage = tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse, nested and other exotic layouts
         return None
     return storage._cdata, storage
+
+
+def inner_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors holding ``tensor``'s memory: itself, or the inner tensors of a
+    wrapper subclass (a DTensor's local shard), recursively."""
+    if not is_traceable_wrapper_subclass(tensor):
+        yield tensor
+        return
+    names, _ = tensor.__tensor_flatten__()
+    for name in names:
+        inner = getattr(tensor, name)
+        if isinstance(inner, torch.Tensor):  # DTensor also flattens its device mesh
+            yield from inner_tensors(inner)
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions and redistribution plans.
+
+    They hold the device meshes they were made for, and a mesh names its process groups;
+    an equal mesh of a later fake world would get the earlier world's (destroyed) groups
+    back from the cache ("Could not resolve the process group registered under ...").
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _redistribute
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cache in (getattr(propagator, "propagate_op_sharding", None),
+                  getattr(ShardingPropagator, "_propagate_tensor_meta_cached", None),
+                  getattr(_redistribute, "_gen_transform_infos", None)):
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    clear_plans = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_plans is not None:
+        clear_plans()
+
+
+@contextlib.contextmanager
+def around_dtensor_shape_propagation(wrap: Callable[[], Any]) -> Iterator[None]:
+    """Run DTensor's output-shape propagation inside the context ``wrap()`` returns.
+
+    To learn an op's output shape DTensor runs the op on fake tensors of the active fake
+    mode (``ShardingPropagator._propagate_tensor_meta_non_cached``); in a trace that mode
+    is the trace's own, so those throwaway tensors would look like allocations. Patched
+    for the block, restored after.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with wrap():
+            return original(self, *args, **kwargs)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its first inner tensor); any other tensor itself."""
+    return next(inner_tensors(tensor), tensor)
+
+
+@contextlib.contextmanager
+def watching_resizes(on_resize: Callable[[Any, int], None]) -> Iterator[None]:
+    """Call ``on_resize(storage, nbytes)`` after every ``UntypedStorage.resize_``.
+
+    FSDP frees and re-allocates the memory of its gathered parameters by resizing their
+    storages in place (``free_storage``/``alloc_storage`` in
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``; FSDP1's
+    ``_free_storage``), which no dispatch mode sees: like torch's ``MemTracker``
+    (``_track_resize``) the method is patched for the block, and restored after.
+    """
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage: Any, size: int) -> Any:
+        result = original(storage, size)
+        on_resize(storage, int(size))
+        return result
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
 
 def watch_storage(storage: Any, on_free: Callable[[], None]) -> Any:
@@ -109,6 +218,10 @@ class OpInterceptor(TorchDispatchMode):
         self._run = run
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            # A DTensor op: let DTensor run it as ops on its local tensors, which this
+            # mode then sees (as torch's MemTracker does).
+            return NotImplemented
         if self._shortcut is not None:
             value = self._shortcut(func, args)
             if value is not RUN:

@@ -64,15 +64,7 @@ def fake_copy(model: nn.Module | Callable[[], nn.Module], fake_mode: Any, *,
     if owned:
         twin = model
     elif isinstance(model, nn.Module):
-        memo: dict[int, Any] = {}
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            memo[id(tensor)] = _meta_stub(tensor)
-        try:
-            twin = copy.deepcopy(model, memo)
-        except Exception as exc:  # noqa: BLE001 - user objects can fail to copy in any way
-            raise ModelSpecError(
-                f"cannot copy the model to trace it ({type(exc).__name__}: {exc}); "
-                "pass a factory (a function that builds the model) instead") from exc
+        twin = meta_copy(model)
     elif callable(model):
         twin = build_on_meta(model)
     else:
@@ -80,6 +72,26 @@ def fake_copy(model: nn.Module | Callable[[], nn.Module], fake_mode: Any, *,
             f"model must be an nn.Module or a factory returning one, not {type(model).__name__}")
     _swap_tensors(twin, fake_mode, float_dtype, channels_last)
     return twin
+
+
+def meta_copy(model: nn.Module, float_dtype: torch.dtype | None = None) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are meta tensors (tied weights
+    stay tied), in ``float_dtype`` if given (floating tensors but float64). The model is
+    not touched and no weight is copied for real."""
+    memo: dict[int, Any] = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        memo[id(tensor)] = _meta_stub(tensor, float_dtype)
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as exc:  # noqa: BLE001 - the user's code can fail in any way
+        raise ModelSpecError(
+            f"cannot copy the model to trace it ({type(exc).__name__}: {exc}); "
+            "pass a factory (a function that builds the model) instead") from exc
+
+
+def swap_to_fake(model: nn.Module, fake_mode: Any) -> None:
+    """Replace ``model``'s (meta) parameters and buffers by fake twins, in place."""
+    _swap_tensors(model, fake_mode, None, False)
 
 
 def build_on_meta(factory: Callable[[], nn.Module], precision: str | None = None) -> nn.Module:
@@ -113,20 +125,28 @@ def _call_on_meta(factory: Callable[[], Any], precision: str | None) -> Any:
         raise ModelSpecError(f"the model factory raised {type(exc).__name__}: {exc}") from exc
 
 
-def _meta_stub(tensor: torch.Tensor) -> torch.Tensor:
+def _meta_stub(tensor: torch.Tensor, float_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A meta tensor of the same shape/dtype/requires_grad, standing in during deepcopy."""
-    stub = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+    dtype = tensor.dtype
+    if float_dtype is not None and dtype.is_floating_point and dtype != torch.float64:
+        dtype = float_dtype
+    stub = torch.empty(tuple(tensor.shape), dtype=dtype, device="meta")
     if isinstance(tensor, nn.Parameter):
         return nn.Parameter(stub, requires_grad=tensor.requires_grad)
     return stub
 
 
-def enable_checkpointing(model: nn.Module) -> None:
-    """Turn on the model's own activation checkpointing (timm or Hugging Face)."""
+def enable_checkpointing(model: nn.Module, use_reentrant: bool = False) -> None:
+    """Turn on the model's own activation checkpointing (timm or Hugging Face).
+
+    ``use_reentrant`` is passed to Hugging Face's ``torch.utils.checkpoint`` (transformers'
+    default, False, is the non-reentrant variant).
+    """
+    kwargs = {"use_reentrant": bool(use_reentrant)}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     elif hasattr(model, "set_grad_checkpointing"):
         model.set_grad_checkpointing(True)
     else:

@@ -29,6 +29,7 @@ cuDNN's workspaces follow other rules (DeviceProfile.workspace_bytes).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -289,3 +290,57 @@ def _addmm_scratch(args: tuple) -> int:
 @register_scratch(torch.ops.aten.bmm.default)
 def _bmm_scratch(args: tuple) -> int:
     return _matmul_scratch(torch.ops.aten.bmm.default, args, 0)
+
+
+# -- decompositions run in the trace ------------------------------------------------------
+
+#: ``decompose(args, kwargs, device) -> output``: an op the trace runs as the sub-ops its
+#: kernel executes on the target, so their allocations (a dequantized weight that lives
+#: only inside the kernel) are recorded. ``device`` is the target's DeviceProfile.
+Decomposition = Callable[[tuple, dict, Any], Any]
+_DECOMPOSE: dict[Any, Decomposition] = {}
+
+
+def register_decomposition(op: Any, decompose: Decomposition) -> None:
+    """Trace ``op`` as ``decompose`` (see :data:`Decomposition`)."""
+    _DECOMPOSE[op] = decompose
+
+
+def decomposition_for(op: Any) -> Decomposition | None:
+    return _DECOMPOSE.get(op)
+
+
+#: Set while library code runs that reads tensor values only as scalars that set no shape
+#: (see :meth:`batchfit.engine.trace.Tracer._shortcut`).
+_SCALAR_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("batchfit_scalar_reads",
+                                                                    default=False)
+
+
+def scalar_reads_allowed() -> bool:
+    return _SCALAR_READS.get()
+
+
+@contextlib.contextmanager
+def scalar_reads() -> Iterator[None]:
+    """Within the block, a fake trace answers ``.item()`` with 1 and ``torch.equal`` with
+    True instead of failing: for code whose value reads set scalars only."""
+    token = _SCALAR_READS.set(True)
+    try:
+        yield
+    finally:
+        _SCALAR_READS.reset(token)
+
+
+#: Custom ops known to allocate exactly their outputs (read from their kernels' sources), so
+#: the trace need not warn that only their outputs are traced.
+_OUTPUTS_ONLY: set[str] = set()
+
+
+def register_outputs_only(*ops: str) -> None:
+    """Declare custom ops (``namespace.op.overload`` strings) that allocate only their
+    outputs on the target."""
+    _OUTPUTS_ONLY.update(ops)
+
+
+def is_outputs_only(op: str) -> bool:
+    return op in _OUTPUTS_ONLY

@@ -74,6 +74,34 @@ class OptimizerName(StrEnum):
     ADAGRAD = "adagrad"
     RMSPROP = "rmsprop"
     ADAFACTOR = "adafactor"
+    # bitsandbytes (batchfit.engine.workloads.optim): 8-bit state, paged state
+    ADAMW8BIT = "adamw8bit"
+    ADAM8BIT = "adam8bit"
+    PAGED_ADAMW8BIT = "paged-adamw8bit"
+    PAGED_ADAMW32BIT = "paged-adamw32bit"
+    LION = "lion"
+    LION8BIT = "lion8bit"
+    PAGED_LION8BIT = "paged-lion8bit"
+
+    @property
+    def is_bitsandbytes(self) -> bool:
+        return "8bit" in self.value or "32bit" in self.value or self.value == "lion"
+
+
+#: transformers' ``optim=`` spellings of the bitsandbytes optimizers.
+_OPTIMIZER_ALIASES = {
+    "adamw-8bit": "adamw8bit", "adamw-bnb-8bit": "adamw8bit", "adam-8bit": "adam8bit",
+    "paged-adamw-8bit": "paged-adamw8bit", "paged-adamw-32bit": "paged-adamw32bit",
+    "lion-32bit": "lion", "lion-8bit": "lion8bit", "paged-lion-8bit": "paged-lion8bit",
+}
+
+
+def parse_optimizer(value: Any) -> "OptimizerName":
+    """An :class:`OptimizerName` from its name or transformers' spelling (``paged_adamw_8bit``)."""
+    if isinstance(value, OptimizerName):
+        return value
+    text = str(value).strip().lower().replace("_", "-")
+    return parse_enum(OptimizerName, _OPTIMIZER_ALIASES.get(text, text), "optimizer")
 
 
 _DTYPE_ALIASES = {
@@ -223,6 +251,20 @@ class TrainConfig:
         grads_to_none: ``zero_grad(set_to_none=True)`` (torch >= 2.0 default). False models
             loops that zero gradients in place (torch < 2.0 ``zero_grad()``, HF Trainer of
             that era): gradients then stay allocated through forward and backward.
+        lora: a :class:`~batchfit.engine.workloads.spec.LoraSpec` (or its ``--lora`` text):
+            peft LoRA adapters on the model; only they (and ``modules_to_save``) train.
+        quant: a :class:`~batchfit.engine.workloads.spec.QuantSpec` (or ``"nf4"``...):
+            bitsandbytes base weights, as transformers loads them.
+        loss: ``standard`` (the model's own loss) or ``chunked`` (Liger's fused linear
+            cross-entropy, CUDA targets).
+        grad_accum_steps: micro-batches per optimizer step; the batch size is the
+            micro-batch. From the second micro-batch on, the gradients of the earlier ones
+            are live through forward and backward.
+        use_reentrant: Hugging Face checkpointing with ``use_reentrant=True`` (torch's old
+            default, and peft's ``prepare_model_for_kbit_training``'s); False is
+            transformers' default since 4.35.
+        packing: several documents per row (``position_ids`` restart per document), as
+            TRL's packing with ``padding_free`` does; the attention mask then follows them.
     """
 
     mode: Mode | str = Mode.TRAIN
@@ -233,14 +275,43 @@ class TrainConfig:
     channels_last: bool = False
     loss_fn: Any = None
     grads_to_none: bool = True
+    lora: Any = None
+    quant: Any = None
+    loss: Any = "standard"
+    grad_accum_steps: int = 1
+    use_reentrant: bool = False
+    packing: bool = False
 
     def __post_init__(self) -> None:
+        from batchfit.engine.workloads.spec import LoraSpec, LossKind, QuantSpec, parse_lora
+
         object.__setattr__(self, "mode", parse_enum(Mode, self.mode, "mode"))
         object.__setattr__(self, "precision", parse_enum(Precision, self.precision, "precision"))
         if not isinstance(self.optimizer, type):
-            object.__setattr__(self, "optimizer",
-                               parse_enum(OptimizerName, self.optimizer, "optimizer"))
+            object.__setattr__(self, "optimizer", parse_optimizer(self.optimizer))
         object.__setattr__(self, "optimizer_kwargs", dict(self.optimizer_kwargs))
+        if isinstance(self.lora, str):
+            object.__setattr__(self, "lora", parse_lora(self.lora))
+        elif self.lora is not None and not isinstance(self.lora, LoraSpec):
+            raise InvalidInputError(f"lora must be a LoraSpec or its text, not {self.lora!r}")
+        if isinstance(self.quant, str):
+            object.__setattr__(self, "quant", QuantSpec(method=self.quant))
+        elif self.quant is not None and not isinstance(self.quant, QuantSpec):
+            raise InvalidInputError(f"quant must be a QuantSpec or its name, not {self.quant!r}")
+        object.__setattr__(self, "loss", parse_enum(LossKind, self.loss, "loss"))
+        steps = self.grad_accum_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise InvalidInputError(
+                f"gradient accumulation steps must be a positive integer, not {steps!r}")
+
+    @property
+    def workload(self) -> Any:
+        """The LLM workload (:class:`~batchfit.engine.workloads.spec.Workload`), or None."""
+        from batchfit.engine.workloads.spec import LossKind, Workload
+
+        if self.lora is None and self.quant is None and self.loss is LossKind.STANDARD:
+            return None
+        return Workload(lora=self.lora, quant=self.quant, loss=self.loss)
 
 
 def make_config(config: TrainConfig | None, options: Mapping[str, Any]) -> TrainConfig:

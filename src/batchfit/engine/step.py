@@ -7,10 +7,11 @@ check always describe the same step.
 Training step (steady state)::
 
     optimizer.zero_grad(set_to_none=True)  # or in place: TrainConfig.grads_to_none=False
-    with autocast:                       # amp-fp16 / amp-bf16 only
-        output = model(*args, **kwargs)
-        loss = loss_fn(output, batch)
-    (loss * scale).backward()            # scale: GradScaler, amp-fp16 only
+    for each of grad_accum_steps micro-batches:
+        with autocast:                   # amp-fp16 / amp-bf16 only
+            output = model(*args, **kwargs)
+            loss = loss_fn(output, batch) / grad_accum_steps  # divided only if > 1
+        (loss * scale).backward()        # scale: GradScaler, amp-fp16 only
     unscale + optimizer.step()
 
 Default loss rules (``TrainConfig.loss_fn`` overrides them):
@@ -150,13 +151,27 @@ _OPTIMIZERS: dict[OptimizerName, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_optimizer(config: TrainConfig, params: list[nn.Parameter], foreach: bool | None
+def build_optimizer(config: TrainConfig, params: list[nn.Parameter], foreach: bool | None,
+                    on_paged: Callable[[torch.Tensor], None] | None = None
                     ) -> torch.optim.Optimizer:
     """The optimizer of ``config`` over ``params``.
 
     ``foreach`` picks the implementation: True is CUDA's default (multi-tensor),
     False the CPU default (for-loop). ``fused=True`` in ``optimizer_kwargs`` wins.
+    bitsandbytes optimizers (``adamw8bit``, ``paged-adamw8bit``...) are bitsandbytes' own
+    classes; ``on_paged`` receives the state buffers a GPU would page
+    (:mod:`batchfit.engine.workloads.optim`).
     """
+    if not isinstance(config.optimizer, type) and config.optimizer.is_bitsandbytes:
+        from batchfit.engine.workloads.optim import build_bnb_optimizer
+
+        try:
+            return build_bnb_optimizer(config.optimizer.value, params,
+                                       dict(config.optimizer_kwargs), on_paged)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(
+                f"cannot build bitsandbytes {config.optimizer.value} with "
+                f"{dict(config.optimizer_kwargs)}: {exc}") from exc
     if isinstance(config.optimizer, type):
         cls, kwargs = config.optimizer, {}
         if not issubclass(cls, torch.optim.Optimizer):
@@ -224,6 +239,9 @@ class StepRunner:
         batch: ``(args, kwargs)`` for the forward call.
         autocast: a context-manager factory for the forward region, or None.
         foreach: the optimizer implementation (see :func:`build_optimizer`).
+        engine: a training engine that owns backward and the optimizer step, as
+            DeepSpeed's does (``engine.backward(loss)``; ``engine.step()``, which also
+            zeroes the gradients); None: ``loss.backward()`` and ``optimizer.step()``.
     """
 
     model: nn.Module
@@ -231,10 +249,12 @@ class StepRunner:
     batch: tuple[tuple, dict]
     autocast: Callable[[], Any] | None = None
     foreach: bool | None = None
+    on_paged: Callable[[torch.Tensor], None] | None = None
     on_phase: Callable[[str], None] = lambda phase: None
     generator: torch.Generator = field(default_factory=torch.Generator)
     optimizer: torch.optim.Optimizer | None = None
     scaler: _GradScalerSteps | None = None
+    engine: Any = None
 
     def __post_init__(self) -> None:
         if self.config.mode is Mode.TRAIN:
@@ -244,7 +264,8 @@ class StepRunner:
                 raise InvalidInputError(
                     "the model has no trainable parameter: use mode='infer' or unfreeze some")
             if self.optimizer is None:
-                self.optimizer = build_optimizer(self.config, params, self.foreach)
+                self.optimizer = build_optimizer(self.config, params, self.foreach,
+                                                 self.on_paged)
             if self.config.precision is Precision.AMP_FP16 and self.scaler is None:
                 self.scaler = _GradScalerSteps(params[0].device)
         else:
@@ -271,17 +292,26 @@ class StepRunner:
 
     def zero_grad(self) -> None:
         self.on_phase("zero_grad")
-        self.optimizer.zero_grad(set_to_none=self.config.grads_to_none)
+        if self.engine is None:  # an engine zeroes the gradients in its step
+            self.optimizer.zero_grad(set_to_none=self.config.grads_to_none)
 
     def forward_backward(self) -> None:
         loss = self.forward_loss()
         self.on_phase("backward")
+        if self.engine is not None:  # DeepSpeed scales by its own accumulation steps
+            self.engine.backward(loss)
+            return
+        if self.config.grad_accum_steps > 1:
+            loss = loss / self.config.grad_accum_steps  # as transformers' Trainer scales it
         if self.scaler is not None:
             loss = self.scaler.scaled(loss)
         loss.backward()
 
     def optimizer_step(self) -> None:
         self.on_phase("optimizer")
+        if self.engine is not None:
+            self.engine.step()
+            return
         if self.scaler is not None:
             self.scaler.unscale(self.optimizer)
         self.optimizer.step()
@@ -289,8 +319,10 @@ class StepRunner:
             self.scaler.update()
 
     def train_step(self) -> None:
+        """One optimizer step: ``grad_accum_steps`` micro-batches, then the update."""
         self.zero_grad()
-        self.forward_backward()
+        for _ in range(self.config.grad_accum_steps):
+            self.forward_backward()
         self.optimizer_step()
 
     def infer_step(self) -> None:

@@ -22,14 +22,15 @@ import itertools
 import sys
 from dataclasses import dataclass, replace
 from enum import IntEnum, StrEnum
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from batchfit._gc import old_objects_frozen
 from batchfit.engine import _torch_internals as ti
-from batchfit.engine.kernels import scratch_for, size_fix_for
+from batchfit.engine.kernels import (decomposition_for, is_outputs_only, scalar_reads_allowed,
+                                     scratch_for, size_fix_for)
 
 
 class Category(StrEnum):
@@ -45,6 +46,10 @@ class Category(StrEnum):
     TEMPORARIES = "temporaries"
     ALLOCATOR_SLACK = "allocator_slack"
     CONTEXT = "context_workspace"
+    # multi-GPU (batchfit.sharding)
+    GATHERED_PARAMETERS = "gathered_parameters"  # a sharded layer's parameters, all-gathered
+    COMMUNICATION = "communication_buffers"  # collective inputs/outputs, DDP's buckets
+    NCCL = "nccl"  # NCCL's own buffers, outside the caching allocator
 
 
 class Phase(StrEnum):
@@ -57,6 +62,7 @@ class Phase(StrEnum):
 
 
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_EQUAL = torch.ops.aten.equal.default
 
 
 class EventKind(IntEnum):
@@ -91,7 +97,10 @@ _UIDS = itertools.count()  # storage ids, unique across traces so traces can be 
 #: Decomposed ops of traces for a CUDA target run on meta twins, with recipes shared by
 #: every trace of the process (None: every op runs on the fake tensors).
 META_TWINS: ti.MetaTwins | None = ti.MetaTwins()
-_CUSTOM_NAMESPACES_OK = {"aten", "prims", "_c10d_functional", "c10d_functional"}
+_CUSTOM_NAMESPACES_OK = {"aten", "prims", "_c10d_functional", "c10d_functional", "c10d",
+                         "_c10d_functional_autograd", "_dtensor", "fsdp"}
+_WAIT_TENSOR = getattr(torch.ops._c10d_functional, "wait_tensor", None)
+_WAIT_TENSOR = getattr(_WAIT_TENSOR, "default", None)
 
 
 class Tracer:
@@ -103,14 +112,35 @@ class Tracer:
     ``cuda_target``: run decomposed ops on meta twins, as CUDA runs them
     (:class:`ti.MetaTwins`). ``device_type``: record only tensors on this device type
     (a CUDA target's optimizer phase on meta twins: a CPU tensor there is host memory,
-    as Adam's step counts are on a GPU).
+    as Adam's step counts are on a GPU). ``device``: the target profile, for ops traced
+    as their kernel's sub-ops (:func:`batchfit.engine.kernels.decomposition_for`).
+    Storages declared :meth:`host_backed` (paged optimizer state) are kept out of the
+    events; their bytes are in :attr:`host_backed_bytes`. ``fake_mode``: record only fake
+    tensors of this mode (DTensor's sharding propagation runs ops under a fake mode of its
+    own, which allocate nothing on the device).
+
+    Extension points (:mod:`batchfit.sharding` uses them): ``observers`` are called
+    with ``(func, args, output)`` for every op before it is recorded; ``category_rule``
+    names the category of an op's new storages (None: the phase's default); and
+    :meth:`on_resize` records a storage resized in place (:func:`ti.watching_resizes`).
     """
 
     def __init__(self, in_op_scratch: bool = False, cuda_target: bool = False,
-                 device_type: str | None = None) -> None:
+                 device_type: str | None = None, device: Any = None,
+                 fake_mode: Any = None) -> None:
         self.events: list[Event] = []
+        self.fake_mode = fake_mode
+        self.observers: list[Any] = []
+        self.category_rule: Any = None
+        #: phases whose unknown ``.item()`` values are answered (see :meth:`_shortcut`)
+        self.item_phases: frozenset[Phase] = frozenset({Phase.OPTIMIZER})
+        self._muted = 0
         self.in_op_scratch = in_op_scratch  # kernels.py
         self.device_type = device_type
+        self.device = device
+        self._cuda_target = cuda_target
+        self._ignored: set[int] = set()  # storage keys of host-backed buffers
+        self.host_backed_bytes = 0
         self.phase = Phase.SETUP
         # storage address -> [nbytes, category, module, weakref, uid]; addresses are reused
         # after a free, so events carry a unique id instead
@@ -122,8 +152,7 @@ class Tracer:
         self.custom_ops: dict[str, str] = {}  # op -> module where first seen
         self.largest: tuple[int, str, str] = (0, "", "")  # (numel, op, module) of the largest output
         self._interceptor = ti.OpInterceptor(self._on_output, self._on_error,
-                                             shortcut=self._shortcut,
-                                             run=META_TWINS if cuda_target else None)
+                                             shortcut=self._shortcut, run=self._run)
         self._hooks: list[Any] = []
 
     # -- lifecycle ---------------------------------------------------------------
@@ -149,21 +178,101 @@ class Tracer:
 
     def register(self, tensor: torch.Tensor, category: Category, module: str = "") -> None:
         """Record an existing storage (a parameter, an input) as allocated now."""
-        found = ti.storage_key(tensor)
-        if found is not None and found[0] not in self._live:
-            self._add(found[0], found[1], category, module, "")
+        for plain in ti.inner_tensors(tensor):
+            found = ti.storage_key(plain)
+            if found is not None and found[0] not in self._live:
+                self._add(found[0], found[1], category, module, "")
 
     def retag(self, tensor: torch.Tensor, category: Category) -> None:
-        found = ti.storage_key(tensor)
-        if found is None or not self._on_device(tensor):
-            return
-        entry = self._live.get(found[0])
+        for plain in ti.inner_tensors(tensor):
+            found = ti.storage_key(plain)
+            if found is None or found[0] in self._ignored or not self._on_device(plain):
+                continue
+            entry = self._live.get(found[0])
+            if entry is None:
+                self._add(found[0], found[1], category, self.current_module(), "")
+            elif entry[1] is not category:
+                entry[1] = category
+                if entry[4] is not None:  # resized to 0: it changes category silently
+                    self.events.append(Event(EventKind.RETAG, entry[4], entry[0], category,
+                                             entry[2], "", self.phase))
+
+    def on_resize(self, storage: Any, nbytes: int) -> None:
+        """A storage resized in place: its old bytes are freed and its new ones allocated
+        (FSDP frees a gathered parameter with ``resize_(0)`` and gathers it again into the
+        same storage). The category is the rule's for the op running now, else the
+        storage's own."""
+        key = storage._cdata
+        entry = self._live.get(key)
         if entry is None:
-            self._add(found[0], found[1], category, self.current_module(), "")
-        elif entry[1] is not category:
-            entry[1] = category
-            self.events.append(Event(EventKind.RETAG, entry[4], entry[0], category,
-                                     entry[2], "", self.phase))
+            if nbytes > 0 and self._recording:
+                self._add(key, storage, self._rule_category(None) or Category.TEMPORARIES,
+                          self.current_module(), "resize_", nbytes)
+            return
+        if entry[0] == nbytes:
+            return
+        if entry[4] is not None:
+            self.events.append(Event(EventKind.FREE, entry[4], entry[0], entry[1], entry[2],
+                                     "", self.phase))
+        entry[0], entry[4] = nbytes, next(_UIDS) if nbytes > 0 else None
+        if nbytes > 0:
+            entry[1] = self._rule_category(None) or entry[1]
+            entry[2] = self.current_module()
+            self.events.append(Event(EventKind.ALLOC, entry[4], nbytes, entry[1], entry[2],
+                                     "resize_", self.phase))
+
+    def uids(self, tensor: torch.Tensor) -> list[int]:
+        """The event ids of the live allocations holding ``tensor`` (its inner tensors')."""
+        found = []
+        for plain in ti.inner_tensors(tensor):
+            key = ti.storage_key(plain)
+            entry = self._live.get(key[0]) if key is not None else None
+            if entry is not None and entry[4] is not None:
+                found.append(entry[4])
+        return found
+
+    def transient(self, nbytes: int, category: Category, op: str) -> int:
+        """Record an allocation no tensor stands for (a copy the traced code skips on this
+        device); :meth:`release` frees it. Returns its id."""
+        uid = next(_UIDS)
+        self.events.append(Event(EventKind.ALLOC, uid, nbytes, category,
+                                 self.current_module(), op, self.phase))
+        return uid
+
+    def release(self, uid: int, nbytes: int, category: Category) -> None:
+        self.events.append(Event(EventKind.FREE, uid, nbytes, category, self.current_module(),
+                                 "", self.phase))
+
+    def _rule_category(self, func: Any) -> Category | None:
+        return self.category_rule(func) if self.category_rule is not None else None
+
+    def host_backed(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage is host memory the device maps (CUDA unified memory): drop
+        its allocation from the events and ignore it from now on."""
+        found = ti.storage_key(tensor)
+        if found is None:
+            return
+        entry = self._live.pop(found[0], None)
+        if entry is not None:
+            for index in range(len(self.events) - 1, -1, -1):
+                event = self.events[index]
+                if event.key == entry[4] and event.kind is EventKind.ALLOC:
+                    del self.events[index]
+                    break
+        if found[0] not in self._ignored:
+            self._ignored.add(found[0])
+            self.host_backed_bytes += found[1].nbytes()
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op's output computed another way (:class:`ti.OpInterceptor`'s ``run``): a
+        registered decomposition, traced op by op; on CUDA targets, a meta twin."""
+        decompose = decomposition_for(func)
+        if decompose is not None:
+            with self._interceptor:  # the sub-ops are recorded like any other op
+                return decompose(args, kwargs, self.device)
+        if self._cuda_target and META_TWINS is not None:
+            return META_TWINS(func, args, kwargs)
+        return ti.RUN
 
     def _on_device(self, tensor: torch.Tensor) -> bool:
         return self.device_type is None or tensor.device.type == self.device_type
@@ -181,28 +290,47 @@ class Tracer:
 
         def on_free() -> None:
             entry = self._live.pop(key, None)
-            if entry is not None and self._recording:
-                self.events.append(Event(EventKind.FREE, uid, entry[0], entry[1], entry[2],
-                                         "", self.phase))
+            if entry is not None and self._recording and entry[4] is not None:
+                self.events.append(Event(EventKind.FREE, entry[4], entry[0], entry[1],
+                                         entry[2], "", self.phase))
 
         ref = ti.watch_storage(storage, on_free)
         self._live[key] = [nbytes, category, module, ref, uid]
         self.events.append(Event(EventKind.ALLOC, uid, nbytes, category, module, op, self.phase))
 
+    @contextlib.contextmanager
+    def muted(self) -> Any:
+        """Ops in the block allocate nothing on the device (DTensor runs ops on fake
+        tensors of the active fake mode to learn output shapes): none is recorded."""
+        self._muted += 1
+        try:
+            yield
+        finally:
+            self._muted -= 1
+
     def _on_output(self, func: Any, args: tuple, out: Any) -> None:
+        if self._muted:
+            return
+        for observe in self.observers:
+            observe(func, args, out)
         module = None
         op = None
         fix = size_fix_for(func)
         real_sizes = fix(args, {}) if fix is not None else {}
         for index, tensor in enumerate(ti.iter_tensors(out)):
             found = ti.storage_key(tensor)
-            if found is None or found[0] in self._live or not self._on_device(tensor):
+            if (found is None or found[0] in self._live or found[0] in self._ignored
+                    or not self._on_device(tensor)):
+                continue
+            if self.fake_mode is not None and getattr(tensor, "fake_mode", self.fake_mode) \
+                    is not self.fake_mode:
                 continue
             if op is None:
                 op = str(func)
                 module = self.current_module()
                 namespace = op.split(".", 1)[0]
-                if namespace not in _CUSTOM_NAMESPACES_OK and op not in self.custom_ops:
+                if (namespace not in _CUSTOM_NAMESPACES_OK and op not in self.custom_ops
+                        and not is_outputs_only(op)):
                     self.custom_ops[op] = module
             category = self._category_for(func, args)
             self._add(found[0], found[1], category, module, op, real_sizes.get(index))
@@ -218,6 +346,8 @@ class Tracer:
                                          str(func), self.phase))
 
     def _category_for(self, func: Any, args: tuple) -> Category:
+        if self.category_rule is not None and (ruled := self.category_rule(func)) is not None:
+            return ruled
         if self.phase is Phase.BACKWARD:
             # module forwards inside backward are activation-checkpoint recomputation
             return Category.ACTIVATIONS if self._module_stack else Category.TEMPORARIES
@@ -236,12 +366,30 @@ class Tracer:
           Values the fake tensor knows (constants: step counts, the grad scaler's
           ``found_inf``) are returned as they are; a meta tensor (the optimizer phase
           runs on meta twins, :func:`_trace_optimizer_on_meta`) has no value and gets 1
-          at once. Elsewhere it stays an error (a data-dependent shape in forward
-          changes the memory).
+          at once; a boolean or a byte gets False or 0 (a check a real step passes:
+          DeepSpeed's "is the gradient norm finite?" and its overflow byte decide
+          whether the step runs at all).
+          Elsewhere it stays an error (a data-dependent shape in forward changes the
+          memory), except inside code declared to read values only as scalars
+          (:func:`batchfit.engine.kernels.scalar_reads`: Liger's chunked loss counts the
+          tokens it averages over, and compares the upstream gradient with 1), where
+          ``.item()`` gets 1 and ``torch.equal`` True. A transform may add phases
+          (:attr:`item_phases`: DeepSpeed's offload checks gradients for overflow in
+          backward);
+        * ``wait_tensor`` of a functional collective (DTensor's): eager returns its
+          input, where the fake kernel would make a new tensor (as torch's MemTracker
+          notes).
         """
         if ti.skippable_in_fake_trace(func, args):
             return None
-        if func is _LOCAL_SCALAR and self.phase is Phase.OPTIMIZER:
+        if func is _WAIT_TENSOR and func is not None:
+            return args[0]
+        if scalar_reads_allowed() and (func is _LOCAL_SCALAR or func is _EQUAL):
+            if func is _EQUAL:
+                return True
+            dtype = args[0].dtype
+            return 1.0 if dtype.is_floating_point else (True if dtype is torch.bool else 1)
+        if func is _LOCAL_SCALAR and self.phase in self.item_phases:
             if not args[0].is_meta:
                 try:
                     return func(*args)
@@ -250,7 +398,9 @@ class Tracer:
             dtype = args[0].dtype
             if dtype.is_floating_point or dtype.is_complex:
                 return 1.0
-            return True if dtype is torch.bool else 1
+            if dtype is torch.bool:
+                return False
+            return 0 if dtype is torch.uint8 else 1  # a byte is a flag (DeepSpeed's overflow)
         return ti.RUN
 
     def _on_error(self, func: Any, exc: BaseException) -> None:
@@ -305,6 +455,7 @@ class StepTrace:
     trainable_parameter_count: int
     largest_tensor: tuple[int, str, str] = (0, "", "")  # (elements, op, module)
     largest_grid: tuple[int, str, str] = (0, "", "")  # (grid y/z extent, kernel, module)
+    host_backed_bytes: int = 0  # paged optimizer state: unified memory, not device memory
 
 
 def _expected_input(model: nn.Module) -> tuple[str, tuple[int, ...] | None]:
@@ -361,6 +512,42 @@ def _translate_error(exc: BaseException, tracer: Tracer, model: nn.Module, phase
         module, op)
 
 
+class StepTransform(Protocol):
+    """Another way to build and run the traced step: one rank of a sharded step.
+
+    :mod:`batchfit.sharding` implements it (DDP, FSDP, DeepSpeed ZeRO, tensor parallel):
+    :func:`trace_step` enters :meth:`session` around the whole trace, builds the module
+    with :meth:`build` while the tracer records (so memory created or freed while
+    wrapping is seen), calls :meth:`attach` once the step's runner exists and, with
+    :attr:`whole_steps`, :meth:`before_step` before each of the two traced steps.
+    """
+
+    def session(self) -> contextlib.AbstractContextManager[Any]:
+        """The process-wide state the trace needs (a fake process group), undone after."""
+
+    def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
+              float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
+        """The module the step runs, with fake tensors, from a model built on meta (or the
+        user's module, which must not be changed: copy it)."""
+
+    def watched(self, module: nn.Module) -> nn.Module:
+        """The module whose submodules name memory (DDP's wrapped module)."""
+
+    def attach(self, runner: Any, tracer: Tracer) -> None:
+        """Set up what the step needs once its runner (and optimizer) exist."""
+
+    def before_step(self, index: int) -> None:
+        """Called before traced training step ``index`` (0: the first, 1: the steady)."""
+
+    def finish(self, trace: StepTrace) -> StepTrace:
+        """The trace as the device sees it (an offload takes host memory off it)."""
+
+    #: True: trace two whole training steps (DDP rebuilds its buckets in the second;
+    #: DeepSpeed's engine runs its own optimizer). False: one forward and backward, and
+    #: the optimizer on meta twins of the (local, sharded) parameters, as for one GPU.
+    whole_steps: bool
+
+
 class TraceReuse:
     """What repeated traces of one model and config (at other batch sizes) can share.
 
@@ -371,16 +558,22 @@ class TraceReuse:
 
     def __init__(self) -> None:
         self.meta_model: nn.Module | None = None
+        self.workload_model: Any = None  # (model, quant attributes) with the workload applied
         self.keras: tuple[Any, Any] | None = None  # a Keras model on meta, and its targets
         self.optimizer_first: tuple[Event, ...] | None = None  # creates the state
         self.optimizer_steady: tuple[Event, ...] | None = None
+        self.host_backed_bytes = 0
 
-    def build_model(self, model: Any, precision: str | None = None) -> None:
+    def build_model(self, model: Any, config: Any = None) -> None:
         """Build a factory's model on meta now, not at the first trace: a worker forked
-        after this inherits it instead of building its own (ResNet-50: ~0.15 s).
-        ``precision``: the config's, for a Keras model's dtype policy."""
+        after this inherits it instead of building its own (ResNet-50: ~0.15 s). With an
+        LLM workload in ``config``, apply it too (quantization, peft: seconds for an 8B
+        model); the config's precision sets a Keras model's dtype policy."""
         with ti.preserved_global_state():
-            _meta_model(model, self, precision)
+            if config is not None and config.workload is not None:
+                _workload_model(model, config, self)
+            else:
+                _meta_model(model, self, None if config is None else config.precision.value)
 
 
 def _meta_model(model: Any, reuse: TraceReuse | None, precision: str | None = None) -> Any:
@@ -394,9 +587,56 @@ def _meta_model(model: Any, reuse: TraceReuse | None, precision: str | None = No
     return reuse.meta_model
 
 
+def _workload_model(model: Any, config: Any, reuse: TraceReuse | None) -> tuple[Any, dict]:
+    """The meta model with ``config``'s LLM workload applied (quantized, prepared, adapted),
+    and the bitsandbytes attributes a fake copy of it must get back; built once per reuse.
+
+    The base weights are cast to the precision's weight dtype first: that is the dtype a
+    checkpoint is loaded in before quantization (``from_pretrained(torch_dtype=...)``).
+    """
+    from batchfit.engine.fake import build_on_meta, meta_copy
+    from batchfit.engine.spec import Mode
+    from batchfit.engine.step import torch_dtype
+    from batchfit.engine.workloads.build import apply_workload
+    from batchfit.engine.workloads.quantstate import quant_attributes
+    from batchfit.engine.workloads.spec import LossKind
+
+    if reuse is not None and reuse.workload_model is not None:
+        return reuse.workload_model
+    if isinstance(model, nn.Module):
+        meta = meta_copy(model)
+    elif reuse is not None:
+        meta = _meta_model(model, reuse)
+        reuse.meta_model = None  # transformed in place below; not reusable raw
+    else:
+        meta = build_on_meta(model)
+    weight_dtype = config.precision.weight_dtype
+    if weight_dtype != "float32":
+        meta = meta.to(torch_dtype(weight_dtype))
+    transformed = apply_workload(meta, config.workload, precision=config.precision,
+                                 checkpointing=config.checkpointing,
+                                 use_reentrant=config.use_reentrant,
+                                 training=config.mode is Mode.TRAIN)
+    if config.loss is LossKind.CHUNKED:
+        from batchfit.engine.workloads.runtime import apply_chunked_loss
+
+        apply_chunked_loss(transformed)
+    built = (transformed, quant_attributes(transformed) if config.quant is not None else {})
+    if reuse is not None:
+        reuse.workload_model = built
+    return built
+
+
+def _workload_checkpointing(config: Any) -> bool:
+    """Whether the workload already turned checkpointing on (peft's
+    ``prepare_model_for_kbit_training`` does, with the given ``use_reentrant``)."""
+    return config.quant is not None and config.quant.prepare
+
+
 @old_objects_frozen()
 def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: Any,
-               reuse: TraceReuse | None = None) -> StepTrace:
+               reuse: TraceReuse | None = None,
+               transform: StepTransform | None = None) -> StepTrace:
     """Trace one step of ``model`` at ``batch_size`` on fake tensors.
 
     Args:
@@ -406,6 +646,9 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         config: a :class:`batchfit.engine.spec.TrainConfig`.
         device: a :class:`batchfit.device.profile.DeviceProfile`.
         reuse: share work between traces of the same model at other batch sizes.
+        transform: builds and runs the step another way (one rank of a sharded step,
+            :mod:`batchfit.sharding`); with its ``whole_steps`` two whole training steps
+            are traced, the second being the steady one.
     """
     from batchfit.engine.fake import enable_checkpointing, fake_copy
     from batchfit.engine.spec import Mode
@@ -422,29 +665,66 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
     from batchfit.engine.fake import build_on_meta
     from batchfit.engine.keras_step import is_keras_model
 
-    with ti.preserved_global_state():
-        base = _meta_model(model, reuse, config.precision.value)
-        owned = not isinstance(base, nn.Module) and callable(base)  # a factory, no reuse
-        if owned:
-            base = build_on_meta(base, config.precision.value)
-    if is_keras_model(base):
+    workload = config.workload
+    base, owned = None, False
+    if workload is None:  # a workload's model is built (and transformed) by _workload_model
+        with ti.preserved_global_state():
+            base = _meta_model(model, reuse, config.precision.value)
+            owned = not isinstance(base, nn.Module) and callable(base)  # a factory, no reuse
+            if owned:
+                base = build_on_meta(base, config.precision.value)
+    if base is not None and is_keras_model(base):
         return _trace_keras_step(base, base is model, inputs, batch_size, config, device, reuse)
     spec = normalize_input_spec(inputs)
     precision = config.precision
     float_dtype = None if precision.weight_dtype == "float32" else torch_dtype(precision.weight_dtype)
     training = config.mode is Mode.TRAIN
     fake_mode = ti.new_fake_mode()
-    with ti.preserved_global_state():
-        twin = fake_copy(base, fake_mode, float_dtype=float_dtype,
-                         channels_last=config.channels_last, owned=owned)
-        if config.checkpointing and training:
-            enable_checkpointing(twin)
-        tracer = Tracer(in_op_scratch=not device.is_cuda, cuda_target=device.is_cuda)
+    if workload is not None and workload.loss.value == "chunked" and not device.is_cuda:
+        raise InvalidInputError(
+            "--loss chunked is Liger-Kernel's fused cross-entropy, whose Triton kernels run "
+            "on GPUs only: use a GPU target (--gpu NAME) or --loss standard")
+    if workload is not None and transform is not None:
+        raise InvalidInputError(
+            "LLM workloads (--lora, --quant, --loss chunked) are not traced under a sharding "
+            "strategy yet: drop --strategy/--world-size, or the workload options")
+    session = transform.session() if transform is not None else contextlib.nullcontext()
+    with ti.preserved_global_state(), session:
+        scratch = not device.is_cuda and getattr(device, "kernel_scratch", True)
+        tracer = Tracer(in_op_scratch=scratch, cuda_target=device.is_cuda, device=device,
+                        fake_mode=fake_mode)
+        quant_state: list[torch.Tensor] = []
+        if transform is not None:
+            source = base
+            try:
+                with fake_mode, tracer:
+                    twin = transform.build(source, fake_mode, tracer, float_dtype,
+                                           config.checkpointing and training)
+            except BatchfitError:
+                raise
+            except Exception as exc:
+                raise _translate_error(exc, tracer, source, Phase.SETUP) from exc
+        elif workload is None:
+            twin = fake_copy(base, fake_mode, float_dtype=float_dtype,
+                             channels_last=config.channels_last, owned=owned)
+        else:
+            from batchfit.engine.workloads.quantstate import install_fake_quant_state
+
+            source, attributes = _workload_model(model, config, reuse)
+            twin = fake_copy(source, fake_mode, channels_last=config.channels_last)
+            quant_state = install_fake_quant_state(twin, attributes, fake_mode, device.is_cuda)
+        if transform is None and config.checkpointing and training and not (
+                workload is not None and _workload_checkpointing(config)):
+            enable_checkpointing(twin, config.use_reentrant)
         params = list(twin.parameters())
+        # storages made while building (a transform's) are retagged, others registered
+        record = tracer.register if transform is None else tracer.retag
         for p in params:
-            tracer.register(p, Category.PARAMETERS)
+            record(p, Category.PARAMETERS)
+        for t in quant_state:  # absmax blocks, code books: part of the stored weights
+            tracer.register(t, Category.PARAMETERS)
         for b in twin.buffers():
-            tracer.register(b, Category.BUFFERS)
+            record(b, Category.BUFFERS)
         generator = torch.Generator().manual_seed(0)
         with fake_mode:
             batch = make_batch(spec, batch_size, float_dtype, generator, config.channels_last)
@@ -468,17 +748,28 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             runner = StepRunner(twin, config, batch, autocast=autocast,
                                 foreach=True if device.is_cuda else False,
                                 on_phase=lambda name: setattr(tracer, "phase", Phase(name)),
-                                generator=generator)
+                                generator=generator,
+                                on_paged=tracer.host_backed if device.is_cuda else None)
         _register_scaler(tracer, runner)
         grad_hooks = [p.register_post_accumulate_grad_hook(
             lambda q: tracer.retag(q.grad, Category.GRADIENTS)) for p in params if p.requires_grad]
-        tracer.watch_module(twin)
+        tracer.watch_module(transform.watched(twin) if transform is not None else twin)
         setup_end = len(tracer.events)
         marks: list[int] = []
         emulation_ctx = emulation if emulation is not None else contextlib.nullcontext()
         try:
-            with fake_mode, emulation_ctx, tracer:
-                if training and not config.grads_to_none:
+            with fake_mode, emulation_ctx, tracer, _library_context(config, device):
+                if transform is not None:
+                    transform.attach(runner, tracer)
+                whole_steps = training and (not config.grads_to_none or (
+                    transform is not None and transform.whole_steps))
+                if transform is not None and whole_steps:
+                    for index in range(2):  # the first creates state, the second is steady
+                        transform.before_step(index)
+                        runner.train_step()
+                        _retag_optimizer_state(runner, tracer)
+                        marks.append(len(tracer.events))
+                elif training and not config.grads_to_none:
                     # gradients survive into the next step: trace two whole steps
                     runner.forward_backward()
                     runner.optimizer_step()
@@ -486,16 +777,19 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                     runner.train_step()
                 elif training:
                     runner.forward_backward()
+                    if config.grad_accum_steps > 1:
+                        # a later micro-batch runs with the earlier ones' gradients live
+                        runner.forward_backward()
                     marks.append(len(tracer.events))
                 else:
                     runner.infer_step()
                 end = len(tracer.events)
             optimizer_events = None
-            if training and config.grads_to_none and (reuse is None or reuse.optimizer_first is None):
+            if training and not whole_steps and (reuse is None or reuse.optimizer_first is None):
                 optimizer_events = _trace_optimizer_on_meta(params, config, device, emulation,
                                                             tracer)
                 if optimizer_events is None:  # it cannot run on meta tensors: on the fake twin
-                    with fake_mode, emulation_ctx, tracer:
+                    with fake_mode, emulation_ctx, tracer, _library_context(config, device):
                         _trace_optimizer(runner, tracer, marks)
                         end = len(tracer.events)
         except BatchfitError:
@@ -506,7 +800,10 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             for hook in grad_hooks:
                 hook.remove()
     events = tracer.events
-    if training and not config.grads_to_none:
+    if reuse is not None and tracer.host_backed_bytes:
+        reuse.host_backed_bytes = tracer.host_backed_bytes
+    host_backed = tracer.host_backed_bytes or (reuse.host_backed_bytes if reuse else 0)
+    if training and whole_steps:
         first = tuple(events[:marks[0]])
         steady = _as_setup(alive_at_end(first)) + tuple(events[marks[0]:end])
     elif training:
@@ -527,13 +824,30 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                   + tuple(events[setup_end:fwd_bwd_end]) + opt_steady)
     else:
         first = steady = tuple(events[:end])
-    return StepTrace(
+    traced = StepTrace(
         steady_events=steady, first_events=first, batch_size=batch_size,
         custom_ops=dict(tracer.custom_ops),
         parameter_count=sum(p.numel() for p in params),
         trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad),
         largest_tensor=tracer.largest,
-        largest_grid=emulation.largest_grid if emulation is not None else (0, "", ""))
+        largest_grid=emulation.largest_grid if emulation is not None else (0, "", ""),
+        host_backed_bytes=host_backed)
+    return transform.finish(traced) if transform is not None else traced
+
+
+def _library_context(config: Any, device: Any) -> Any:
+    """What the libraries must be told while the step runs on fake tensors: transformers'
+    value-dependent mask decisions answered as on the real batch, and the workload's own
+    (the chunked loss's kernel launches; bitsandbytes' CUDA dispatch)."""
+    from batchfit.engine.workloads.hfcompat import real_batch_decisions
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(real_batch_decisions(packing=config.packing))
+    if config.workload is not None:
+        from batchfit.engine.workloads.runtime import workload_runtime
+
+        stack.enter_context(workload_runtime(config, device))
+    return stack
 
 
 def _register_scaler(tracer: Tracer, runner: Any) -> None:
@@ -660,12 +974,21 @@ def _trace_keras_step(base: Any, is_users: bool, inputs: Any, batch_size: int, c
 def _trace_optimizer(runner: Any, tracer: Tracer, marks: list[int]) -> None:
     """The first optimizer step (creates the state), then a steady one."""
     runner.optimizer_step()
-    for state in runner.optimizer.state.values():
+    _retag_optimizer_state(runner, tracer)
+    marks.append(len(tracer.events))
+    runner.optimizer_step()
+
+
+def _retag_optimizer_state(runner: Any, tracer: Tracer) -> None:
+    """The optimizer's state, made by its first step, is optimizer state from then on."""
+    optimizer = runner.optimizer
+    states = getattr(optimizer, "state", None)
+    if not isinstance(states, dict):
+        return
+    for state in states.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 tracer.retag(value, Category.OPTIMIZER_STATE)
-    marks.append(len(tracer.events))
-    runner.optimizer_step()
 
 
 def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: Any,
@@ -697,22 +1020,28 @@ def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: An
     if any(p.grad is not None and p.grad.layout is not torch.strided for p in trained):
         return None
     twins = []
-    for p in trained:
+    for param in trained:
+        # a DTensor (sharded) parameter's optimizer runs on its local shard
+        p = ti.local_tensor(param)
+        grad = param.grad
         twin = nn.Parameter(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype,
                                                 device="meta"))
-        if p.grad is not None:
-            g = p.grad
+        if grad is not None:
+            g = ti.local_tensor(grad)
+            if g.shape != p.shape:  # a DTensor gradient placed unlike its parameter (tensor
+                return None  # parallel): the optimizer redistributes it, on the fake twin
             twin.grad = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device="meta")
         twins.append(twin)
     # On a GPU, what an optimizer makes without a device (Adam's, Adagrad's, RMSprop's and
     # Adafactor's step counts, unless capturable or fused) is host memory: here it is a
     # real CPU tensor beside the meta ones, and not counted. On a CPU target it counts.
     meta_tracer = Tracer(in_op_scratch=tracer.in_op_scratch,
-                         device_type="meta" if device.is_cuda else None)
+                         device_type="meta" if device.is_cuda else None, device=device)
     try:
         runner = StepRunner(nn.ParameterList(twins), config, ((), {}),
                             foreach=bool(device.is_cuda),
-                            on_phase=lambda name: setattr(meta_tracer, "phase", Phase(name)))
+                            on_phase=lambda name: setattr(meta_tracer, "phase", Phase(name)),
+                            on_paged=meta_tracer.host_backed if device.is_cuda else None)
     except Exception:  # noqa: BLE001 - the fake twin's trace reports it
         return None
     for twin in twins:
@@ -734,6 +1063,7 @@ def _trace_optimizer_on_meta(params: list[torch.Tensor], config: Any, device: An
             emulation.where = where
     if meta_tracer.largest[0] > tracer.largest[0]:
         tracer.largest = meta_tracer.largest
+    tracer.host_backed_bytes += meta_tracer.host_backed_bytes
     for op, module in meta_tracer.custom_ops.items():
         tracer.custom_ops.setdefault(op, module)
     events = meta_tracer.events

@@ -54,14 +54,11 @@ import ast
 import copy
 import difflib
 import functools
-import hashlib
 import importlib
 import importlib.util
 import inspect
 import json
 import os
-import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -90,6 +87,7 @@ class ModelSpec:
         default_seq_len: the model's default sequence length (``input_spec`` holds the one
             in use, after any ``seq_len`` override).
         hf_labels: the batch carries ``labels`` so the HF model computes its own loss.
+        max_positions: the model's context length from its config (HF models).
         keras_compiled: for a Keras 3 model, whether its factory compiles it (its own
             optimizer and loss are then used); None for other models.
     """
@@ -102,6 +100,7 @@ class ModelSpec:
     vocab_size: int | None = None
     default_seq_len: int | None = None
     hf_labels: bool = False
+    max_positions: int | None = None
     keras_compiled: bool | None = None
 
 
@@ -134,7 +133,7 @@ _SPEC_FORMS = "use timm:NAME, torchvision:NAME, hf:NAME or path/to/file.py:facto
 
 def resolve_model(spec: str, *, model_kwargs: Mapping[str, Any] | None = None,
                   seq_len: int | None = None,
-                  input_shape: tuple[int, ...] | None = None) -> ModelSpec:
+                  input_shape: tuple[int, ...] | None = None, packing: bool = False) -> ModelSpec:
     """Resolve a model string into a :class:`ModelSpec` without building anything for real.
 
     Args:
@@ -144,6 +143,8 @@ def resolve_model(spec: str, *, model_kwargs: Mapping[str, Any] | None = None,
             user factory (see :func:`parse_model_kwargs`).
         seq_len: sequence length of a token model (overrides its default).
         input_shape: per-sample input shape of a non-token model (overrides its default).
+        packing: token models: several documents per row, given to the model as
+            ``position_ids`` that restart per document (TRL's ``padding_free`` packing).
 
     Raises:
         ModelSpecError: the spec names no model, or a needed package is missing.
@@ -170,8 +171,10 @@ def resolve_model(spec: str, *, model_kwargs: Mapping[str, Any] | None = None,
         input_shape = TensorSpec(tuple(input_shape)).shape  # validates the dimensions
     prefix, _, rest = text.partition(":")
     prefix = prefix.lower()
-    if _is_file_spec(text):
-        resolved = _resolve_file(text, kwargs)
+    from batchfit.models import files  # it builds on this module's ModelSpec
+
+    if files.is_file_spec(text):
+        resolved = files.resolve_file(text, kwargs)
     elif prefix == "timm":
         resolved = _resolve_timm(text, rest.strip(), kwargs, input_shape)
     elif prefix == "torchvision":
@@ -180,7 +183,19 @@ def resolve_model(spec: str, *, model_kwargs: Mapping[str, Any] | None = None,
         resolved = _resolve_hf(text, rest.strip(), kwargs, seq_len)
     else:
         resolved = _resolve_bare(text, kwargs, seq_len, input_shape)
-    return _apply_input_overrides(resolved, seq_len, input_shape)
+    resolved = _apply_input_overrides(resolved, seq_len, input_shape)
+    return _with_packing(resolved) if packing else resolved
+
+
+def _with_packing(spec: ModelSpec) -> ModelSpec:
+    """Add ``position_ids`` (one per token, the sequence's length long) to a token model's
+    inputs: the values (where documents restart) set no shape, so any layout traces alike."""
+    if not spec.is_token_model or not isinstance(spec.input_spec, Mapping):
+        raise InvalidInputError(
+            f"--packing applies to Hugging Face token models; '{spec.name}' is not one")
+    tokens = _token_tensor(spec.input_spec)
+    positions = TensorSpec(tokens.shape, "int64", low=0, high=tokens.shape[0])
+    return replace(spec, input_spec={**spec.input_spec, "position_ids": positions})
 
 
 def parse_model_kwargs(items: Sequence[str]) -> dict[str, Any]:
@@ -441,6 +456,34 @@ def _resolve_hf(user_spec: str, name: str, kwargs: dict[str, Any],
     return _hf_spec(user_spec, source, kwargs, seq_len)
 
 
+def load_hf_config(name: str, model_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """The transformers config of ``hf:NAME`` (offline table or local directory), with
+    ``model_kwargs`` overrides, without building the model.
+
+    Example:
+        >>> load_hf_config("Meta-Llama-3-8B").num_key_value_heads
+        8
+    """
+    name = str(name).strip().removeprefix("hf:")
+    source = _hf_source(name)
+    if source is None:
+        raise _unknown_hf_error(name)
+    kwargs = dict(model_kwargs or {})
+    for key in _RESERVED_HF_KWARGS:
+        kwargs.pop(key, None)
+    return _hf_config(_import_optional("transformers"), source, kwargs)
+
+
+def checkpoint_dtype(name: str) -> str | None:
+    """The dtype ``hf:NAME``'s checkpoint is stored in (its config's ``torch_dtype``), which a
+    serving engine loads it in; None when the config does not say."""
+    source = _hf_source(str(name).strip().removeprefix("hf:"))
+    if source is None:
+        raise _unknown_hf_error(name)
+    value = source.config.get("torch_dtype") or source.config.get("dtype")
+    return str(value).removeprefix("torch.") if value else None
+
+
 def _hf_spec(user_spec: str, source: _HFSource, kwargs: dict[str, Any],
              seq_len: int | None) -> ModelSpec:
     transformers = _import_optional("transformers")
@@ -460,7 +503,7 @@ def _hf_spec(user_spec: str, source: _HFSource, kwargs: dict[str, Any],
     return ModelSpec(name=user_spec, factory=factory,
                      input_spec=_hf_input_spec(config, task, vocab_size, default_len),
                      is_token_model=True, vocab_size=vocab_size, default_seq_len=default_len,
-                     hf_labels=True)
+                     hf_labels=True, max_positions=_max_positions(config))
 
 
 def _hf_config(transformers: Any, source: _HFSource, overrides: Mapping[str, Any]) -> Any:
@@ -571,167 +614,10 @@ def _build_hf(config: Any, task: HFTask, attn: str | None) -> nn.Module:
     try:
         return auto.from_config(config, attn_implementation=attn, **dtype_kwarg)
     except ValueError as exc:
-        if attn != "sdpa" or "sdpa" not in str(exc).lower():
+        text = str(exc).lower()
+        if attn != "sdpa" or ("sdpa" not in text and "scaled_dot_product" not in text):
             raise
     return auto.from_config(config, attn_implementation="eager", **dtype_kwarg)
-
-
-# --------------------------------------------------------------------------- user files
-
-_FILE_SPEC = re.compile(r"^(?P<path>.+\.py)(?::(?P<factory>[^:/\\]*))?$")
-
-
-def _is_file_spec(text: str) -> bool:
-    return _FILE_SPEC.match(text) is not None
-
-
-def _module_name(path: Path) -> str:
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    stem = re.sub(r"\W", "_", path.stem)
-    return f"batchfit_user_model_{stem}_{digest}"
-
-
-def _load_file(path: Path, *, reload: bool) -> Any:
-    """Import ``path`` as a uniquely named module (kept in sys.modules so classes defined in
-    it pickle and dataclasses resolve their module)."""
-    name = _module_name(path)
-    if not reload and name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ModelSpecError(f"cannot import model file '{path}'")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    sys.path.insert(0, str(path.parent))  # let the file import its neighbours
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(name, None)
-        raise ModelSpecError(f"importing model file '{path}' failed: {_one_line(exc)}"
-                             f"{_keras_backend_hint()}") from exc
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
-
-
-def _keras_backend_hint() -> str:
-    """A note for a file that failed to import while Keras is set to another backend than
-    torch (Keras then imports that backend's package, e.g. tensorflow)."""
-    backend = os.environ.get("KERAS_BACKEND", "").strip().lower()
-    if backend in ("", "torch"):
-        return ""
-    return (f" (KERAS_BACKEND={backend}: batchfit predicts Keras models on the torch backend "
-            "only, as it traces torch ops; run with KERAS_BACKEND=torch)")
-
-
-def _file_callables(module: Any) -> list[str]:
-    return sorted(n for n, obj in vars(module).items()
-                  if callable(obj) and not n.startswith("_")
-                  and getattr(obj, "__module__", None) == module.__name__)
-
-
-def _file_factory(path: Path, factory_name: str, module: Any) -> Callable[..., Any]:
-    factory = getattr(module, factory_name, None) if factory_name else None
-    if callable(factory):
-        return factory
-    names = _file_callables(module)
-    listing = f"its callables: {', '.join(names)}" if names else "it defines no functions"
-    if not factory_name:
-        raise ModelSpecError(f"name the factory in model file '{path}' as "
-                             f"{path}:FUNCTION ({listing})")
-    raise ModelSpecError(f"model file '{path}' has no factory {factory_name!r} ({listing})")
-
-
-def _call_factory(path: str, factory_name: str, kwargs: Mapping[str, Any]) -> Any:
-    file_path = Path(path)
-    factory = _file_factory(file_path, factory_name, _load_file(file_path, reload=False))
-    try:
-        return factory(**kwargs)
-    except Exception as exc:
-        raise ModelSpecError(
-            f"model factory {factory_name}() in '{path}' raised {_one_line(exc)}") from exc
-
-
-def _build_from_file(path: str, factory_name: str, kwargs: Mapping[str, Any]) -> nn.Module:
-    return _unpack_factory_result(_call_factory(path, factory_name, kwargs), path,
-                                  factory_name)[0]
-
-
-def _resolve_file(user_spec: str, kwargs: dict[str, Any]) -> ModelSpec:
-    import torch
-    match = _FILE_SPEC.match(user_spec)
-    if match is None:
-        raise ModelSpecError(
-            f"malformed model file spec {user_spec!r}: write path/to/file.py:factory")
-    path = Path(match["path"]).expanduser().resolve()
-    factory_name = (match["factory"] or "").strip()
-    if not path.is_file():
-        raise ModelSpecError(f"model file '{match['path']}' not found")
-    from batchfit.engine import keras_step
-
-    module = _load_file(path, reload=True)
-    _file_factory(path, factory_name, module)  # a clear error before any call
-    with torch.device("meta"), keras_step.build_scope("meta"):
-        result = _call_factory(str(path), factory_name, kwargs)
-    built, input_spec, loss_fn = _unpack_factory_result(result, str(path), factory_name)
-    keras_compiled = None
-    if keras_step.is_keras_model(built):  # Keras 3 (torch backend): its own input and step
-        keras_compiled = bool(getattr(built, "compiled", False))
-        if input_spec is None:
-            input_spec = keras_step.input_spec(built)
-    factory = functools.partial(_build_from_file, str(path), factory_name, kwargs)
-    token = _token_tensor(input_spec)
-    return ModelSpec(name=user_spec, factory=factory, input_spec=input_spec, loss_fn=loss_fn,
-                     is_token_model=token is not None,
-                     vocab_size=token.high if token is not None else None,
-                     default_seq_len=token.shape[0] if token is not None else None,
-                     keras_compiled=keras_compiled)
-
-
-def _unpack_factory_result(result: Any, path: str,
-                           factory_name: str) -> tuple[Any, InputSpec | None, Callable | None]:
-    from torch import nn
-
-    from batchfit.engine import keras_step
-    where = f"factory {factory_name}() in '{path}'"
-    if isinstance(result, nn.Module) or keras_step.is_keras_model(result):
-        module, input_spec, loss_fn = result, None, None
-    elif isinstance(result, (tuple, list)) and len(result) in (2, 3):
-        module, input_spec, loss_fn = (*result, None)[:3]
-    elif isinstance(result, Mapping):
-        extra = set(result) - {"model", "input_spec", "loss_fn"}
-        if extra or "model" not in result:
-            raise ModelSpecError(
-                f"{where} returned a dict with keys {sorted(result)}: use 'model' (required), "
-                "'input_spec' and 'loss_fn'")
-        module, input_spec, loss_fn = (result["model"], result.get("input_spec"),
-                                       result.get("loss_fn"))
-    else:
-        module = None
-    if keras_step.is_keras_model(module):
-        keras_step.check_torch_backend(f"{where} returned a Keras model")
-    if not isinstance(module, nn.Module):
-        raise ModelSpecError(
-            f"{where} returned {type(result).__name__}: return an nn.Module, (module, "
-            "input_spec[, loss_fn]) or a dict with 'model', 'input_spec', 'loss_fn'")
-    if loss_fn is not None and not callable(loss_fn):
-        raise ModelSpecError(f"{where} returned a loss_fn that is not callable")
-    return module, _as_input_spec(input_spec, where), loss_fn
-
-
-def _as_input_spec(value: Any, where: str) -> InputSpec | None:
-    if value is None or isinstance(value, TensorSpec):
-        return value
-    if isinstance(value, (tuple, list)) and value and all(isinstance(d, int) for d in value):
-        return TensorSpec(tuple(value))  # a bare shape: one float32 tensor
-    if isinstance(value, (tuple, list)) and value and all(isinstance(v, TensorSpec) for v in value):
-        return tuple(value)
-    if (isinstance(value, Mapping) and value and all(isinstance(k, str) for k in value)
-            and all(isinstance(v, TensorSpec) for v in value.values())):
-        return dict(value)
-    raise ModelSpecError(
-        f"{where} returned an input_spec of type {type(value).__name__}: use a TensorSpec, a "
-        "shape tuple, a tuple of TensorSpecs or a dict of TensorSpecs")
 
 
 def _tensor_specs(input_spec: InputSpec | None) -> list[TensorSpec]:

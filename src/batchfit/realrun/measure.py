@@ -22,8 +22,7 @@ Known limitations:
     * The tracker does not count tensors a model keeps outside ``parameters()`` and
       ``buffers()`` (plain-attribute caches); the profiler does. A gap between the
       two ``baseline_bytes`` points at such tensors.
-    * The tracker misses memory allocated and freed inside one op, and a storage
-      resized in place keeps its first size.
+    * The tracker misses memory allocated and freed inside one op.
     * Only the CPU allocator is seen: process RSS (malloc's own caching, oneDNN
       primitive caches) is not a clean reference (see DESIGN.md §4).
 
@@ -39,10 +38,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Self
@@ -350,20 +350,36 @@ def _memory_events(events: Iterable[Any]) -> list[tuple[int, int]]:
 
 
 class _StorageTracker:
-    """Live bytes of real storages: ones added up front, and ones ops create while active."""
+    """Live bytes of real storages: ones added up front, and ones ops create while active.
+
+    A DTensor's ops are seen as the ops on its local tensors (the interceptor lets
+    DTensor unwrap them), and a storage resized in place (FSDP frees and re-gathers its
+    parameters so) changes the live bytes by the difference, as torch's MemTracker counts
+    it (:func:`ti.watching_resizes`, active with the tracker).
+    """
 
     def __init__(self) -> None:
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._live: dict[int, tuple[int, Any]] = {}  # data_ptr -> (nbytes, weakref)
+        self._live: dict[int, list[Any]] = {}  # storage id -> [nbytes, weakref]
         self._interceptor = ti.OpInterceptor(self._on_output, lambda func, exc: None)
+        self._resizes: Any = None
 
     def add(self, storage: Any) -> None:
-        key, nbytes = storage.data_ptr(), storage.nbytes()
+        key, nbytes = storage._cdata, storage.nbytes()
         if nbytes == 0 or key in self._live:
             return
-        self._live[key] = (nbytes, weakref.ref(storage, lambda _ref: self._on_free(key)))
+        self._live[key] = [nbytes, weakref.ref(storage, lambda _ref: self._on_free(key))]
         self.live_bytes += nbytes
+
+    def resized(self, storage: Any, nbytes: int) -> None:
+        entry = self._live.get(storage._cdata)
+        if entry is None:
+            self.add(storage)
+        else:
+            self.live_bytes += nbytes - entry[0]
+            entry[0] = nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _on_free(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -372,19 +388,21 @@ class _StorageTracker:
 
     def _on_output(self, func: Any, args: tuple, out: Any) -> None:
         for tensor in ti.iter_tensors(out):
-            try:
-                self.add(tensor.untyped_storage())
-            except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-                continue
+            found = ti.storage_key(tensor)
+            if found is not None:
+                self.add(found[1])
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def __enter__(self) -> Self:
         self.peak_bytes = self.live_bytes
+        self._resizes = ti.watching_resizes(self.resized)
+        self._resizes.__enter__()
         self._interceptor.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._interceptor.__exit__(*exc)
+        self._resizes.__exit__(*exc)
 
 
 def _run_tracked(build: Callable[[], StepRunner], steps: int) -> list[_Window]:
@@ -403,3 +421,28 @@ def _run_tracked(build: Callable[[], StepRunner], steps: int) -> list[_Window]:
 
     seconds = _run_steps(runner, steps, wrap)
     return [_Window(b, t.peak_bytes, s) for b, t, s in zip(baselines, trackers, seconds)]
+
+
+def run_tracked_session(build: Callable[[], StepRunner], steps: int) -> list[_Window]:
+    """One tracker from before the model is built to the end of the last step.
+
+    Everything the wrappers of a sharded model allocate (DDP's gradient buckets, FSDP's
+    shards) is seen when it is made, as the profiler's session sees it
+    (:func:`_run_profiled`), where :func:`_run_tracked` starts each step from the
+    storages it knows (parameters, gradients, optimizer state, inputs).
+    """
+    tracker = _StorageTracker()
+    with tracker:
+        runner = build()
+    baselines: list[int] = []
+    peaks: list[int] = []
+
+    @contextlib.contextmanager
+    def wrap(i: int) -> Iterator[None]:
+        baselines.append(tracker.live_bytes)
+        with tracker:
+            yield
+        peaks.append(tracker.peak_bytes)
+
+    seconds = _run_steps(runner, steps, wrap)
+    return [_Window(b, p, t) for b, p, t in zip(baselines, peaks, seconds)]

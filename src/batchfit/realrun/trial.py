@@ -229,16 +229,17 @@ class _UsageTracker:
         self._interceptor = ti.OpInterceptor(self._on_output, lambda func, exc: None)
 
     def add(self, tensor: torch.Tensor) -> None:
-        found = ti.storage_key(tensor)
-        if found is None:
-            return
-        key, storage = found
-        nbytes = storage.nbytes()
-        if nbytes == 0 or key in self._live:
-            return
-        self._live[key] = (nbytes, ti.watch_storage(storage, lambda: self._on_free(key)))
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        for plain in ti.inner_tensors(tensor):  # a DTensor's memory is its local shard
+            found = ti.storage_key(plain)
+            if found is None:
+                continue
+            key, storage = found
+            nbytes = storage.nbytes()
+            if nbytes == 0 or key in self._live:
+                continue
+            self._live[key] = (nbytes, ti.watch_storage(storage, lambda k=key: self._on_free(k)))
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _on_free(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -356,10 +357,20 @@ class _StepSetup:
             model = model.to(self.float_dtype)
         if self.config.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        if self.config.checkpointing and self.config.mode is Mode.TRAIN:
+        config = self.config
+        prepared = False
+        if config.workload is not None:  # quantized for real by bitsandbytes, adapted by peft
+            from batchfit.engine.workloads.build import apply_workload
+
+            model = apply_workload(model, config.workload, precision=config.precision,
+                                   checkpointing=config.checkpointing,
+                                   use_reentrant=config.use_reentrant,
+                                   training=config.mode is Mode.TRAIN)
+            prepared = config.quant is not None and config.quant.prepare
+        if config.checkpointing and config.mode is Mode.TRAIN and not prepared:
             from batchfit.engine.fake import enable_checkpointing
 
-            enable_checkpointing(model)
+            enable_checkpointing(model, config.use_reentrant)
         return model.to(self.device)
 
 

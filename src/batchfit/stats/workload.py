@@ -50,9 +50,10 @@ def load_workload(spec: str, *, kwargs: Mapping[str, Any] | None = None) -> Work
         ModelSpecError: a malformed spec, a missing file or factory, a factory that raises
             or returns something else than described in the module docstring.
     """
-    from batchfit.models.resolve import _FILE_SPEC, _file_factory, _load_file, _one_line
+    from batchfit.models.files import FILE_SPEC, file_factory, load_file
+    from batchfit.models.resolve import _one_line
 
-    match = _FILE_SPEC.match(spec)
+    match = FILE_SPEC.match(spec)
     if match is None:
         raise ModelSpecError(
             f"give the workload as path/to/file.py:factory, not {spec!r} (the factory returns "
@@ -61,7 +62,7 @@ def load_workload(spec: str, *, kwargs: Mapping[str, Any] | None = None) -> Work
     name = (match["factory"] or "").strip()
     if not path.is_file():
         raise ModelSpecError(f"workload file '{match['path']}' not found")
-    factory = _file_factory(path, name, _load_file(path, reload=True))
+    factory = file_factory(path, name, load_file(path, reload=True))
     try:
         result = factory(**dict(kwargs or {}))
     except Exception as exc:

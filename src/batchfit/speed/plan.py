@@ -1,0 +1,404 @@
+"""``batchfit plan``: which multi-GPU layout trains a global batch fastest.
+
+For each candidate layout (strategy, tensor-parallel degree, activation checkpointing,
+offload) on ``world`` GPUs of one kind:
+
+1. **Memory and the micro-batch**: the largest per-GPU micro-batch that divides the
+   per-replica batch ``global_batch / data_parallel_size`` and fits rank 0 on the card
+   (:func:`batchfit.answers.ranks.estimate_ranks`; rank 0 holds the longest shards),
+   found by bisection over those divisors, one trace each; gradient accumulation makes
+   up the rest. None fits: the layout is infeasible, and says so.
+2. **Compute**: the roofline of one micro-step on the GPU (:mod:`batchfit.speed.roofline`:
+   the traced ops of the single-GPU step at that micro-batch, timed against the card's
+   peak FLOP/s and bandwidth), divided by the tensor-parallel degree for tensor-parallel
+   layouts.
+3. **Communication**: the bytes each GPU moves per step (:func:`communication_bytes`,
+   ring collectives: an all-gather or reduce-scatter over ``n`` ranks moves ``(n-1)/n``
+   of the data through every rank, an all-reduce twice that), over the link that group
+   uses: NVLink or PCIe inside a node (:mod:`batchfit.device.interconnect`), the network
+   when a group spans nodes; offloaded state over PCIe.
+
+The predicted step is ``accumulation x micro-step + communication`` (no overlap: a
+bound from above; FSDP and DDP overlap much of their communication with compute, so the
+ranking favours layouts that communicate less), and layouts are ranked by it.
+
+Example:
+    >>> import torch
+    >>> mlp = lambda: torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+    >>> result = plan(mlp, (512,), gpus="2xA100-80GB", global_batch=64, strategies=["ddp", "fsdp"],
+    ...               checkpointing="off", precision="amp-bf16")
+    >>> [row.strategy for row in result.rows], result.rows[0].micro_batch_size
+    (['ddp', 'fsdp'], 32)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from batchfit.engine.spec import Precision, TrainConfig, make_config
+from batchfit.errors import BatchfitError, InvalidInputError
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: Strategies a plan tries by default (HSDP joins them on more than one node).
+DEFAULT_STRATEGIES = ("ddp", "fsdp", "fsdp-grad-op", "zero1", "zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """One candidate layout and its predicted step.
+
+    Attributes:
+        strategy, tp, offload, checkpointing: the layout.
+        feasible: a micro-batch fits and the global batch divides over the replicas.
+        reason: why not, when infeasible.
+        micro_batch_size: per-GPU batch of one forward and backward: the largest that
+            fits rank 0 and divides the per-replica batch.
+        accumulation_steps: micro-steps per optimizer step.
+        memory_per_gpu_bytes: rank 0's device memory at the micro-batch used.
+        compute_s, communication_s, step_s: predicted seconds per optimizer step.
+        samples_per_s: ``global_batch / step_s``.
+        communication_bytes: bytes each GPU moves per step.
+    """
+
+    strategy: str
+    tp: int
+    offload: str
+    checkpointing: bool
+    feasible: bool
+    reason: str = ""
+    micro_batch_size: int = 0
+    accumulation_steps: int = 0
+    memory_per_gpu_bytes: int = 0
+    compute_s: float = 0.0
+    communication_s: float = 0.0
+    step_s: float = 0.0
+    samples_per_s: float = 0.0
+    communication_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 6) if isinstance(v, float) else v)
+                for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Every layout tried, feasible ones first, fastest first."""
+
+    gpu: str
+    world_size: int
+    nodes: int
+    global_batch_size: int
+    rows: tuple[LayoutPlan, ...]
+
+    @property
+    def best(self) -> LayoutPlan | None:
+        return self.rows[0] if self.rows and self.rows[0].feasible else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "world_size": self.world_size, "nodes": self.nodes,
+                "global_batch_size": self.global_batch_size,
+                "best": self.best.to_dict() if self.best else None,
+                "layouts": [row.to_dict() for row in self.rows]}
+
+
+def parse_gpus(text: str) -> tuple[int, str]:
+    """``"8xH100 SXM"`` -> (8, "H100 SXM")."""
+    match = re.fullmatch(r"\s*(\d+)\s*[x×*]\s*(.+?)\s*", str(text))
+    if not match or int(match.group(1)) < 1:
+        raise InvalidInputError(
+            f"malformed --gpus {text!r}: write the count and the card, e.g. 8x\"H100 SXM\"")
+    return int(match.group(1)), match.group(2)
+
+
+@dataclass(frozen=True)
+class _Model:
+    """What the communication model needs to know about the model."""
+
+    parameters: int
+    layers: int | None
+    hidden: int | None
+    tokens_per_sample: int
+
+
+def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: str,
+         global_batch: int, nodes: int = 1, strategies: Sequence[str] | None = None,
+         tp_degrees: Sequence[int] = (), checkpointing: str = "auto",
+         offload: str = "auto", network_bytes_per_s: float | None = None,
+         on_layout: Callable[[str], None] | None = None, **options: Any) -> PlanResult:
+    """Rank multi-GPU layouts of one training step by predicted step time.
+
+    Args:
+        model, inputs, config, options: as for :func:`batchfit.estimate`.
+        gpus: ``"NxNAME"``: how many GPUs of which catalog card (all nodes together).
+        global_batch: samples per optimizer step over all GPUs.
+        nodes: machines the GPUs span (equal shares).
+        strategies: which to try (default :data:`DEFAULT_STRATEGIES`, and ``hsdp`` on
+            more than one node).
+        tp_degrees: tensor-parallel degrees to try with FSDP (Llama-family models).
+        checkpointing: ``"off"``, ``"on"`` or ``"auto"`` (with it only where a layout
+            fits no micro-batch without it).
+        offload: ``"none"`` or ``"auto"`` (the strategy's offload only where nothing
+            fits without it).
+        network_bytes_per_s: the network between nodes, per GPU and each way (default
+            :data:`~batchfit.device.interconnect.DEFAULT_NETWORK_BYTES_PER_S`).
+        on_layout: called with each layout's name before it is evaluated (progress).
+    """
+    from batchfit.device.catalog import find_gpu
+    from batchfit.device.interconnect import DEFAULT_NETWORK_BYTES_PER_S
+    from batchfit.sharding.layout import Parallelism
+
+    config = make_config(config, options)
+    count, name = parse_gpus(gpus)
+    card = find_gpu(name)
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise InvalidInputError(f"--global-batch must be a positive integer, not {global_batch!r}")
+    if checkpointing not in ("off", "on", "auto") or offload not in ("none", "auto"):
+        raise InvalidInputError("checkpointing is off, on or auto; offload is none or auto")
+    Parallelism(world_size=count, nodes=nodes)  # checks the world and the nodes
+    network = network_bytes_per_s or DEFAULT_NETWORK_BYTES_PER_S
+    names = list(strategies or DEFAULT_STRATEGIES + (("hsdp",) if nodes > 1 else ()))
+    facts = _model_facts(model, inputs, config)
+    speed = _Speed(model, inputs, card)
+    rows = []
+    for strategy in names:
+        for tp in ([1] if strategy != "fsdp" else [1, *tp_degrees]):
+            layout = _layout(strategy, count, nodes, tp)
+            if isinstance(layout, str):
+                rows.append(LayoutPlan(strategy, tp, "none", False, False, layout))
+                continue
+            rows.append(_best_variant(model, inputs, config, card, layout, global_batch,
+                                      facts, speed, network, checkpointing, offload,
+                                      on_layout))
+    rows.sort(key=lambda r: (not r.feasible, r.step_s if r.feasible else 0.0))
+    return PlanResult(card.name, count, nodes, global_batch, tuple(rows))
+
+
+def _layout(strategy: str, world: int, nodes: int, tp: int) -> Any:
+    from batchfit.sharding.layout import Parallelism
+
+    try:
+        return Parallelism(world_size=world, strategy="tp" if tp > 1 else strategy,
+                           tp=tp, nodes=nodes, rank=0)
+    except InvalidInputError as exc:
+        return str(exc)
+
+
+def _variants(layout: Any, checkpointing: str, offload: str) -> list[tuple[bool, str]]:
+    from batchfit.sharding.layout import _OFFLOADS, Offload
+
+    offloads = ["none"]
+    if offload == "auto":
+        offloads += [o.value for o in sorted(_OFFLOADS[layout.strategy]) if o is not Offload.NONE]
+    steps = {"off": [False], "on": [True], "auto": [False, True]}[checkpointing]
+    return [(ckpt, off) for off in offloads for ckpt in steps]
+
+
+def _best_variant(model: Any, inputs: Any, config: TrainConfig, card: Any, layout: Any,
+                  global_batch: int, facts: _Model, speed: _Speed, network: float,
+                  checkpointing: str, offload: str,
+                  on_layout: Callable[[str], None] | None) -> LayoutPlan:
+    """The first variant (least checkpointing and offload) that fits, else why none does."""
+    last: LayoutPlan | None = None
+    for ckpt, off in _variants(layout, checkpointing, offload):
+        variant = replace(layout, offload=off)
+        label = (f"{layout.strategy.value}{f' tp{layout.tp}' if layout.tp > 1 else ''}"
+                 f"{' +checkpointing' if ckpt else ''}{f' +offload {off}' if off != 'none' else ''}")
+        if on_layout is not None:
+            on_layout(label)
+        last = _evaluate(model, inputs, replace(config, checkpointing=ckpt), card, variant,
+                         global_batch, facts, speed, network)
+        if last.feasible:
+            return last
+    return last
+
+
+def _evaluate(model: Any, inputs: Any, config: TrainConfig, card: Any, layout: Any,
+              global_batch: int, facts: _Model, speed: _Speed, network: float) -> LayoutPlan:
+    from batchfit.device.profile import gpu_profile
+
+    base = LayoutPlan(layout.strategy.value, layout.tp, layout.offload.value,
+                      config.checkpointing, False)
+    replicas = layout.data_parallel_size
+    if global_batch % replicas:
+        return replace(base, reason=f"the global batch {global_batch} does not divide over "
+                                    f"{replicas} data-parallel ranks")
+    per_replica = global_batch // replicas
+    try:
+        micro, memory = _largest_divisor_that_fits(model, inputs, config, gpu_profile(card),
+                                                   layout, per_replica)
+    except BatchfitError as exc:
+        return replace(base, reason=str(exc).split(":")[0])
+    if micro is None:
+        return replace(base, reason=f"a micro-batch of 1 needs {memory / 2**30:.1f} GiB per "
+                                    f"GPU, over the {card.memory_bytes / 2**30:.1f} GiB card")
+    accumulation = per_replica // micro
+    compute = speed.micro_step_s(config, micro) / layout.tp * accumulation
+    volume, pcie_volume = communication_bytes(layout, facts, config.precision, micro,
+                                              accumulation)
+    seconds = volume / _bandwidth(layout, card, network) + pcie_volume / _pcie(card)
+    step = compute + seconds
+    return replace(base, feasible=True, micro_batch_size=micro, accumulation_steps=accumulation,
+                   memory_per_gpu_bytes=memory,
+                   compute_s=compute, communication_s=seconds, step_s=step,
+                   samples_per_s=global_batch / step, communication_bytes=int(volume + pcie_volume))
+
+
+def _largest_divisor_that_fits(model: Any, inputs: Any, config: TrainConfig, device: Any,
+                               layout: Any, per_replica: int) -> tuple[int | None, int]:
+    """The largest micro-batch that divides ``per_replica`` and fits rank 0, and its bytes
+    (None and the bytes at 1 when none fits): a bisection over the divisors, one trace
+    each, since memory grows with the micro-batch."""
+    from batchfit.answers.ranks import estimate_ranks
+
+    divisors = [b for b in range(1, per_replica + 1) if per_replica % b == 0]
+    sizes: dict[int, int] = {}
+
+    def need(batch: int) -> int:
+        if batch not in sizes:
+            sizes[batch] = estimate_ranks(model, inputs, batch, config, device=device,
+                                          parallel=layout, first_step=False).total_bytes
+        return sizes[batch]
+
+    budget = device.total_memory_bytes
+    low, high = -1, len(divisors)  # divisors[low] fits (or low = -1), divisors[high] does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if need(divisors[middle]) <= budget:
+            low = middle
+        else:
+            high = middle
+    if low < 0:
+        return None, need(divisors[0])
+    return divisors[low], need(divisors[low])
+
+
+def communication_bytes(layout: Any, facts: _Model, precision: Precision, micro: int,
+                        accumulation: int) -> tuple[float, float]:
+    """Bytes one GPU moves per optimizer step: (over GPU links or the network, over PCIe).
+
+    ``P`` parameters, gathered in ``bp`` bytes each (2 with 16-bit compute), gradients
+    reduced in ``bg`` (4: fp32 reduction, FSDP's recipe and DeepSpeed's; 2 for DDP in
+    16-bit), ``n`` ranks in the group, ``a`` micro-steps:
+
+    * DDP: one all-reduce of the gradients per step, ``2(n-1)/n P bg`` (no sync while
+      accumulating);
+    * FSDP (ZeRO-3-like) and ZeRO-3: an all-gather in forward and again in backward and a
+      reduce-scatter, every micro-step: ``a (n-1)/n P (2 bp + bg)``; ``fsdp-grad-op``
+      gathers once: ``a (n-1)/n P (bp + bg)``;
+    * ZeRO-1: a reduce-scatter of the accumulated gradients and an all-gather of the
+      updated parameters per step, ``(n-1)/n P (bg + bp)`` (DDP's volume, as the ZeRO
+      paper counts it); ZeRO-2 reduces every micro-step: ``(n-1)/n P (a bg + bp)``;
+    * HSDP: FSDP within a node, plus an all-reduce of each shard's gradients across the
+      ``r`` replicas, ``a 2(r-1)/r P/n bg``;
+    * tensor parallel (degree ``t``): FSDP over ``P/t`` on the data-parallel ranks, plus
+      Megatron's four all-reduces of the activations per layer and micro-step (two in
+      forward, two in backward), ``4 L B S H 2(t-1)/t`` bytes in 16 bits;
+    * offload: FSDP2's shards copied to the GPU at each all-gather and its gradients
+      back, ``a P/n (2 x 4 + 4)`` over PCIe; DeepSpeed's gradient partition down and its
+      updated parameters up, ``P/n (4 + bp)`` per step.
+    """
+    from batchfit.sharding.layout import Offload, Strategy
+
+    params = facts.parameters
+    sixteen = precision in (Precision.AMP_BF16, Precision.AMP_FP16, Precision.BF16,
+                            Precision.FP16)
+    bp = 2 if sixteen else 4
+    bg = 4
+    strategy, a = layout.strategy, accumulation
+    n = layout.shard_size
+    ring = (n - 1) / n if n > 1 else 0.0
+    pcie = 0.0
+    if strategy is Strategy.DDP:
+        d = layout.data_parallel_size
+        grads = 2 if precision in (Precision.BF16, Precision.FP16) else 4
+        return 2 * (d - 1) / d * params * grads, 0.0
+    if strategy in (Strategy.ZERO1, Strategy.ZERO2):
+        times = 1 if strategy is Strategy.ZERO1 else a
+        volume = ring * params * (times * bg + bp)
+        if layout.offload is not Offload.NONE:
+            pcie = params / n * (4 + bp)
+        return volume, pcie
+    gathers = 1 if not layout.resharded_after_forward else 2
+    shard_params = params / layout.tp
+    volume = a * ring * shard_params * (gathers * bp + bg)
+    if strategy is Strategy.HSDP:
+        r = layout.nodes
+        volume += a * 2 * (r - 1) / r * shard_params / n * bg
+    if layout.tp > 1:
+        if facts.layers is None or facts.hidden is None:
+            raise InvalidInputError("tensor parallel needs the model's layers and hidden size")
+        t = layout.tp
+        volume += (a * 4 * facts.layers * micro * facts.tokens_per_sample * facts.hidden * 2
+                   * 2 * (t - 1) / t)
+    if layout.offload is not Offload.NONE:
+        pcie = a * shard_params / n * (2 * 4 + 4) if strategy is not Strategy.ZERO3 else \
+            params / n * (4 + bp)
+    return volume, pcie
+
+
+def _bandwidth(layout: Any, card: Any, network: float) -> float:
+    """The slowest link of the layout's collectives: the network if a group spans nodes."""
+    from batchfit.device.interconnect import link_for
+
+    intra = link_for(card).gpu_to_gpu_bytes_per_s
+    if layout.nodes == 1:
+        return intra
+    from batchfit.sharding.nccl import communicators
+
+    spans = any(c.crosses_nodes and c.ranks > 1 for c in communicators(layout))
+    return min(intra, network) if spans else intra
+
+
+def _pcie(card: Any) -> float:
+    capability = card.compute_capability or (0, 0)
+    return 63e9 if capability >= (9, 0) else 31.5e9 if capability >= (8, 0) else 15.75e9
+
+
+class _Speed:
+    """The roofline of the single-GPU micro-step, traced once per checkpointing setting."""
+
+    def __init__(self, model: Any, inputs: Any, card: Any) -> None:
+        self.model, self.inputs, self.card = model, inputs, card
+        self._costs: dict[bool, Any] = {}
+
+    def micro_step_s(self, config: TrainConfig, batch_size: int) -> float:
+        from batchfit.device.profile import gpu_profile
+        from batchfit.speed.op_costs import (
+            constant_costs,
+            step_costs,
+            step_times,
+            trace_op_costs,
+        )
+        from batchfit.speed.rates import gpu_roofline_profile
+
+        roofline = gpu_roofline_profile(self.card, config.precision)
+        device = gpu_profile(self.card)
+        key = config.checkpointing
+        if key not in self._costs:
+            self._costs[key] = step_costs(self.model, self.inputs, config, device)
+        costs = self._costs[key]
+        if costs is None:
+            costs = constant_costs(trace_op_costs(self.model, self.inputs, batch_size, config,
+                                                  device=device), batch_size)
+        return step_times(costs, roofline, [batch_size])[0].step_s
+
+
+def _model_facts(model: Any, inputs: Any, config: TrainConfig) -> _Model:
+    """Parameters, layers, hidden size and tokens per sample, from the model built on meta."""
+    from batchfit.engine.fake import build_on_meta
+    from batchfit.engine.spec import TensorSpec
+    from batchfit.engine.step import normalize_input_spec
+
+    built = model if not callable(model) or hasattr(model, "parameters") else build_on_meta(model)
+    parameters = sum(p.numel() for p in built.parameters())
+    hf = getattr(built, "config", None)
+    layers = getattr(hf, "num_hidden_layers", None)
+    hidden = getattr(hf, "hidden_size", None)
+    spec = normalize_input_spec(inputs)
+    first = spec if isinstance(spec, TensorSpec) else (
+        next(iter(spec.values())) if isinstance(spec, dict) else spec[0])
+    tokens = first.shape[0] if first.shape else 1
+    return _Model(parameters, layers, hidden, tokens)

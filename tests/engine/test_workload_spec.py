@@ -1,0 +1,57 @@
+"""Parsing --lora and --quant: every bad input is one InvalidInputError line."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchfit.errors import InvalidInputError
+from batchfit.engine.workloads.spec import (ALL_LINEAR, AdapterDtype, LoraSpec, QuantMethod, parse_lora,
+                                     parse_quant)
+
+
+def test_parse_lora_full():
+    spec = parse_lora("r=16,alpha=32,targets=all-linear,dropout=0.05")
+    assert (spec.r, spec.alpha, spec.dropout, spec.targets) == (16, 32.0, 0.05, ALL_LINEAR)
+    assert spec.dtype is AdapterDtype.FP32 and spec.bias == "none"
+
+
+def test_parse_lora_lists_and_defaults():
+    spec = parse_lora("r=8,targets=q_proj+v_proj,save=lm_head,dtype=base,dora=true")
+    assert spec.targets == ("q_proj", "v_proj") and spec.modules_to_save == ("lm_head",)
+    assert spec.dtype is AdapterDtype.BASE and spec.dora
+    assert parse_lora("r=4").targets is None  # peft's default for the model type
+    assert parse_lora("r=4,targets=q_proj").targets == ("q_proj",)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("r=16,rnk=4", "unknown --lora key 'rnk'"),
+    ("r=0", "rank r=0 must be a positive integer"),
+    ("r=-3", "must be a positive integer"),
+    ("r=x", "is not a number"),
+    ("r=8,dropout=1.5", "dropout=1.5 must be in [0, 1)"),
+    ("r", "malformed --lora item 'r'"),
+    ("r=8,r=4", "given twice"),
+    ("r=8,bias=some", "bias='some'"),
+    ("r=8,dtype=int8", "dtype='int8'"),
+])
+def test_bad_lora(text, words):
+    with pytest.raises(InvalidInputError) as info:
+        parse_lora(text)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_parse_quant():
+    assert parse_quant("nf4").method is QuantMethod.NF4
+    dq = parse_quant("NF4_DQ").method
+    assert dq.double_quant and dq.quant_type == "nf4" and dq.is_4bit
+    assert not parse_quant("int8").method.is_4bit
+    with pytest.raises(InvalidInputError, match="unknown --quant 'nf3'"):
+        parse_quant("nf3")
+
+
+def test_lora_spec_direct():
+    assert LoraSpec(r=2, targets=["a", "b"]).targets == ("a", "b")
+    with pytest.raises(InvalidInputError):
+        LoraSpec(r=True)
+    with pytest.raises(InvalidInputError):
+        LoraSpec(r=2, targets=[])

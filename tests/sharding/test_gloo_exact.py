@@ -1,0 +1,72 @@
+"""Each rank's predicted peak against a real sharded run of the same step on this CPU.
+
+Two real processes talk over gloo (:mod:`batchfit.realrun.sharded`) and each measures
+its own live storages; one process traces each rank on torch's fake process group
+(:mod:`batchfit.sharding`). DDP and FSDP2 on a small transformer (its vocabulary of 97
+gives FSDP's last rank a shorter shard) and FSDP2 on a CNN with BatchNorm; DeepSpeed
+ZeRO-3 (DeepSpeed's own engine, on CPU) on the transformer, with 10^5-element buckets
+(DeepSpeed's default of 5 x 10^8 would allocate 2 GB per rank). The tracker counts
+tensors, so the prediction counts tensors too (no CPU kernel scratch). The issue asks
+for 2% on every rank; these agree to the byte, so the test holds them to 0.1%. Four
+ranks, DDP on the CNN and ZeRO-1/2 (also exact): ``benchmarks/sharded_vs_gloo.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from batchfit.device.profile import DeviceProfile
+from batchfit.device.timeline import replay_events
+from batchfit.engine.spec import TrainConfig
+from batchfit.realrun.sharded import ShardedJob, measure_sharded_steps
+from batchfit.sharding.layout import Parallelism
+from batchfit.sharding.rank import trace_rank
+from sharded_models import CNN_INPUTS, TinyCNN, TinyTransformer, transformer_inputs
+
+WORLD = 2
+BATCH = 8
+
+
+BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000}
+CASES = [(TinyTransformer, "ddp"), (TinyTransformer, "fsdp"), (TinyCNN, "fsdp"),
+         (TinyTransformer, "zero3")]
+
+
+def _jobs() -> list[ShardedJob]:
+    config = TrainConfig(optimizer="adamw")
+    jobs = []
+    for factory, strategy in CASES:
+        inputs = transformer_inputs() if factory is TinyTransformer else CNN_INPUTS
+        layout = Parallelism(world_size=WORLD, strategy=strategy, bucket_cap_mb=0.05,
+                             deepspeed=BUCKETS if strategy.startswith("zero") else {})
+        jobs.append(ShardedJob(factory, inputs, BATCH, config, layout))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def measured() -> list[tuple]:
+    jobs = _jobs()
+    return list(zip(jobs, measure_sharded_steps(jobs, steps=2)))
+
+
+def _again(job: ShardedJob) -> tuple:
+    """A second real run of ``job``: gloo's worker thread can drop its reference to a
+    collective's buffer after the step's peak (benchmarks/sharded_vs_gloo.py), which then
+    counts a buffer the step no longer uses; the smaller of two runs is the step's own."""
+    return measure_sharded_steps([job], steps=2)[0]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)),
+                         ids=[f"{f.__name__}-{s}" for f, s in CASES])
+def test_every_rank_matches_a_real_gloo_run(measured: list[tuple], index: int) -> None:
+    job, ranks = measured[index]
+    tensors_only = DeviceProfile.cpu(kernel_scratch=False)
+    predicted = []
+    for rank in range(WORLD):
+        trace = trace_rank(job.model_factory, job.inputs, BATCH, job.config, tensors_only,
+                           job.layout, rank)
+        predicted.append(replay_events(trace.steady_events, tensors_only).peak_allocated_bytes)
+    real = [r.peak_bytes for r in ranks]
+    if any(abs(p - r) > 1e-3 * r for p, r in zip(predicted, real)):
+        real = [min(r, again.peak_bytes) for r, again in zip(real, _again(job))]
+    assert predicted == pytest.approx(real, rel=1e-3)

@@ -1,0 +1,135 @@
+"""Per-rank model-state bytes, derived by hand from how each strategy lays memory out.
+
+The model: three blocks ``Linear(12, 12)`` and a head ``Linear(12, 5)``, fp32, AdamW
+(for-loop, as on the CPU), 4 ranks. What is left alive at the end of the steady step
+(parameters, gradients, optimizer state, DDP's bucket) is compared per category.
+
+FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _fsdp_collectives.py):
+
+* each parameter is cut along dim 0 with ``torch.chunk`` into pieces of
+  ``ceil(rows / 4)`` rows; every rank stores a piece padded to that size, so a 12-row
+  weight costs 3 x 12 = 36 elements and the 5-row head weight 2 x 12 = 24 elements on
+  every rank, even rank 3, whose piece of the head is empty (chunks of 2, 2, 1);
+* the sharded gradients of one unit are views into one reduce-scatter output of
+  ``sum(rows padded to a multiple of 4 x columns) / 4`` elements: (144 + 12) / 4 = 39 per
+  block, (8 x 12 + 8) / 4 = 26 for the root's head;
+* AdamW's ``exp_avg`` and ``exp_avg_sq`` are ``zeros_like`` the sharded parameter: the
+  unpadded piece (rank 0: 143 elements; rank 3: the blocks' 117 only), plus a 4-byte
+  float32 step count per parameter.
+
+DDP: every rank holds all 2,132 bytes of parameters, gradients of the same size, the
+optimizer state twice that plus the step counts, and one gradient bucket (the model is
+far below the 1 MiB first bucket) of the parameters' size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from batchfit.device.profile import DeviceProfile
+from batchfit.engine.spec import TrainConfig
+from batchfit.engine.trace import Category, alive_at_end
+from batchfit.sharding.layout import Parallelism
+from batchfit.sharding.rank import trace_rank
+
+F32 = 4
+STEP = 4  # AdamW's float32 step count, one per parameter
+N_PARAMS = 8
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(12, 12) for _ in range(3))
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _held(strategy: str, rank: int) -> dict[Category, int]:
+    layout = Parallelism(world_size=4, strategy=strategy)
+    trace = trace_rank(Blocks, (12,), 2, TrainConfig(optimizer="adamw"),
+                       DeviceProfile.cpu(kernel_scratch=False), layout, rank)
+    held: dict[Category, int] = {}
+    for event in alive_at_end(trace.steady_events):
+        held[event.category] = held.get(event.category, 0) + event.nbytes
+    return held
+
+
+@pytest.mark.parametrize("rank, unpadded", [(0, 3 * (36 + 3) + 2 * 12 + 2),
+                                            (2, 3 * (36 + 3) + 1 * 12 + 1),
+                                            (3, 3 * (36 + 3))])
+def test_fsdp2_shards(rank: int, unpadded: int) -> None:
+    held = _held("fsdp", rank)
+    assert held[Category.PARAMETERS] == (3 * (36 + 3) + (24 + 2)) * F32
+    assert held[Category.GRADIENTS] == (3 * 39 + 26) * F32
+    assert held[Category.OPTIMIZER_STATE] == 2 * unpadded * F32 + N_PARAMS * STEP
+    assert Category.GATHERED_PARAMETERS not in held  # resharded after backward
+
+
+def test_ddp_replicates() -> None:
+    size = (3 * (144 + 12) + 60 + 5) * F32
+    for rank in (0, 3):
+        held = _held("ddp", rank)
+        assert held[Category.PARAMETERS] == size
+        assert held[Category.GRADIENTS] == size
+        assert held[Category.COMMUNICATION] == size  # the bucket
+        assert held[Category.OPTIMIZER_STATE] == 2 * size + N_PARAMS * STEP
+
+
+# DeepSpeed ZeRO (runtime/zero/stage_1_and_2.py, stage3.py), bf16 with AdamW: DeepSpeed
+# flattens the 533 parameters into one group padded to a multiple of the world size times
+# its 2-element alignment: 536, so each of the 4 ranks owns 134 elements. Every stage
+# keeps this rank's fp32 master copy and Adam's two moments of its 134 elements (12
+# bytes each) and one step count; ZeRO-1 and 2 keep all 536 bf16 parameters, ZeRO-3 only
+# this rank's 134, and ZeRO-3 also this rank's 134 bf16 gradients: 16 bytes x P / N in all
+# (16 x 134 = 2,144), as the ZeRO paper counts. Parameters below
+# ``stage3_param_persistence_threshold`` stay gathered (DeepSpeed's default, 10^5
+# elements, would keep all of this model's): 0 here.
+ZERO = {"reduce_bucket_size": 1000, "allgather_bucket_size": 1000,
+        "stage3_param_persistence_threshold": 0}
+PADDED = 536
+OWNED = PADDED // 4
+BF16 = 2
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+def test_zero_partitions(stage: str) -> None:
+    layout = Parallelism(world_size=4, strategy=stage, deepspeed=ZERO)
+    trace = trace_rank(Blocks, (12,), 2, TrainConfig(optimizer="adamw", precision="bf16"),
+                       DeviceProfile.cpu(kernel_scratch=False), layout, 3)
+    held: dict[Category, int] = {}
+    for event in alive_at_end(trace.steady_events):
+        held[event.category] = held.get(event.category, 0) + event.nbytes
+    assert held[Category.OPTIMIZER_STATE] == 3 * OWNED * F32 + STEP
+    if stage == "zero3":
+        assert held[Category.PARAMETERS] == OWNED * BF16
+        assert held[Category.GRADIENTS] == OWNED * BF16
+        assert held[Category.PARAMETERS] + held[Category.GRADIENTS] \
+            + held[Category.OPTIMIZER_STATE] - STEP == 16 * OWNED
+    else:
+        assert held[Category.PARAMETERS] == PADDED * BF16
+
+
+def test_fsdp2_cpu_offload_keeps_model_state_off_the_gpu() -> None:
+    # CPUOffloadPolicy: shards, gradients and optimizer state live on the host; each
+    # all-gather first copies the unit's padded shards to the GPU: (36 + 3) fp32 elements
+    # per block, (24 + 2) for the root's head. Every unit gathers twice, in forward and
+    # again in backward (reshard_after_forward=True for every unit, the root included,
+    # as torchtitan shards).
+    from batchfit.engine.trace import EventKind
+    from batchfit.sharding.offload import COPY_TO_DEVICE
+
+    layout = Parallelism(world_size=4, strategy="fsdp", offload="params")
+    trace = trace_rank(Blocks, (12,), 2, TrainConfig(optimizer="adamw"),
+                       DeviceProfile.cpu(kernel_scratch=False), layout, 0)
+    held = {event.category for event in alive_at_end(trace.steady_events)}
+    assert held == {Category.INPUTS}
+    copies = sorted(e.nbytes for e in trace.steady_events
+                    if e.op == COPY_TO_DEVICE and e.kind is EventKind.ALLOC)
+    assert copies == [26 * F32] * 2 + [39 * F32] * 6
