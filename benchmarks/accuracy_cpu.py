@@ -199,7 +199,8 @@ def explain(name: str, top: int = 8) -> None:
     from zoo import BY_NAME
 
     from batchfit.device.profile import resolve_device
-    from batchfit.engine.trace import EventKind, trace_step
+    from batchfit.engine.trace import trace_step
+    from batchfit.engine.tracer import EventKind
     from batchfit.realrun import measure
 
     case = BY_NAME[name]

@@ -24,8 +24,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "estimate": "batchfit.answers.estimate",
     "MemoryEstimate": "batchfit.answers.estimate",
-    "Category": "batchfit.engine.trace",
-    "Phase": "batchfit.engine.trace",
+    "Category": "batchfit.engine.tracer",
+    "Phase": "batchfit.engine.tracer",
     "DeviceProfile": "batchfit.device.profile",
     "gpu_profile": "batchfit.device.profile",
     "find_gpu": "batchfit.device.catalog",

@@ -10,7 +10,7 @@ from torch import nn
 
 import batchfit
 from batchfit import Category, TensorSpec, TrainConfig
-from batchfit.engine.trace import EventKind, Phase, Tracer
+from batchfit.engine.tracer import EventKind, Phase, Tracer
 from batchfit.errors import (
     InputShapeError,
     InvalidInputError,
@@ -234,7 +234,8 @@ def test_an_optimizer_that_cannot_run_on_meta_is_traced_on_the_fake_twin():
     # fused=True asks for a real device type, which meta is not: the phase falls back to
     # the fake twin (CPU fake tensors) and still counts Adam's two moments:
     # 2 * (10 * 64 + 10) * 4 bytes, plus a float32 step scalar for each of the 2 parameters.
-    from batchfit.engine.trace import Tracer, _trace_optimizer_on_meta
+    from batchfit.engine.trace import _trace_optimizer_on_meta
+    from batchfit.engine.tracer import Tracer
 
     config = TrainConfig(optimizer="adam", optimizer_kwargs={"fused": True},
                          loss_fn=lambda out, batch: out.sum())

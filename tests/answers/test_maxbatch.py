@@ -94,17 +94,72 @@ def test_tiny_model_is_capped():
     assert result.binding_constraint is Constraint.LIMIT and "max_batch_limit" in result.note
 
 
-def test_int32_indexing_binds_before_memory():
-    # An upsampling to 4096x4096 makes 3*4096*4096 = 50,331,648 elements per sample;
-    # 2**31-1 elements allow floor(2147483647 / 50331648) = 42 samples, while an
-    # 80 GiB card's memory would allow more than that in inference.
+def test_native_depthwise_int32_limit_binds_before_memory():
+    # On torch 2.4 a 7x7 depthwise convolution in fp32 runs torch's native kernel (cuDNN
+    # takes only fp16 ones there, Convolution.cpp use_cudnn_depthwise), which checks
+    # canUse32BitIndexMath(input) and (output): numel < 2**31 - 1. One sample is
+    # 64 * 256 * 256 = 2**22 elements, so B <= (2**31 - 2) // 2**22 = 511; at 512 the
+    # input has 2**31 = 2,147,483,648 elements. Memory (2 x 16 MiB per sample) would
+    # allow about 2,500 samples on the 80 GiB card.
+    def depthwise():
+        return nn.Sequential(nn.Conv2d(64, 64, 7, padding=3, groups=64))
+
+    gpu = DeviceProfile.cuda(80 << 30, (8, 0))
+    result = max_batch_size(depthwise, (64, 256, 256), device=gpu, mode="infer",
+                            stack="torch2.4+cu124")
+    assert result.binding_constraint is Constraint.INT32_INDEXING
+    assert result.max_batch_size == 511
+    assert "native depthwise conv2d" in result.note and "aten.convolution.default" in result.note
+    assert "2,147,483,648" in result.note and " in 0 " in result.note
+    assert "DepthwiseConv2d.cu" in result.note
+
+
+def test_reflection_padding_int32_limit_binds_before_memory():
+    # timm's BlurPool2d pads with F.pad(mode="reflect"): ReflectionPad.cu's
+    # reflection_pad2d_out_template checks canUse32BitIndexMath(input). One sample is
+    # 64 * 256 * 256 = 2**22 elements, so B <= (2**31 - 2) // 2**22 = 511, whatever the
+    # padded output's size; memory (16 MiB in, 16.25 MiB out per sample) allows ~2,500.
+    def blur_pad():
+        return nn.Sequential(nn.ReflectionPad2d(1))
+
+    gpu = DeviceProfile.cuda(80 << 30, (8, 0))
+    result = max_batch_size(blur_pad, (64, 256, 256), device=gpu, mode="infer",
+                            stack="torch2.4+cu124")
+    assert result.binding_constraint is Constraint.INT32_INDEXING
+    assert result.max_batch_size == 511
+    assert "reflection padding" in result.note and "aten.reflection_pad2d" in result.note
+    assert "ReflectionPad.cu" in result.note
+
+
+@pytest.mark.parametrize("pool", [nn.AvgPool2d, nn.MaxPool2d])
+def test_pooling_output_count_binds_before_memory(pool):
+    # AveragePool2d.cu / DilatedMaxPool2d.cu narrow output.numel() to a 32-bit int
+    # (safe_downcast, inclusive): 2x2 pooling of 64 x 256 x 256 outputs 2**20 elements per
+    # sample, so B <= (2**31 - 1) // 2**20 = 2047. Memory (16 MiB in, 4 MiB out, 8 MiB of
+    # int64 indices for max pooling, per sample) would allow about 2,900 samples.
+    gpu = DeviceProfile.cuda(80 << 30, (8, 0))
+    result = max_batch_size(lambda: nn.Sequential(pool(2)), (64, 256, 256), device=gpu,
+                            mode="infer", stack="torch2.4+cu124")
+    assert result.binding_constraint is Constraint.INT32_INDEXING
+    assert result.max_batch_size == 2047
+    assert "safe_downcast" in result.note and "2,147,483,648" in result.note
+
+
+def test_large_tensors_that_kernels_split_do_not_bind():
+    # Nearest upsampling (size_t indices in UpSampleNearest2d.cu) and ReLU (TensorIterator
+    # splits into 32-bit pieces) take tensors beyond 2**31 elements (from B = 43), so this
+    # is a memory question only: the upsampled and the ReLU output are both alive, 2 x
+    # 3 * 4096**2 * 4 B = 384 MiB per sample, against 80 GiB - 512 MiB context - 16.25 MiB
+    # cuBLAS workspaces = 81,391.75 MiB (plus one 2 MiB segment for the input):
+    # 211 * 384 + 2 = 81,026 fits, 212 * 384 + 2 = 81,410 does not.
     def up():
-        return nn.Upsample(size=(4096, 4096))
+        return nn.Sequential(nn.Upsample(size=(4096, 4096)), nn.ReLU())
 
     gpu = DeviceProfile.cuda(80 << 30, (8, 0))
     result = max_batch_size(up, (3, 8, 8), device=gpu, mode="infer")
-    assert result.binding_constraint is Constraint.INT32_INDEXING
-    assert result.max_batch_size == 42
+    assert result.binding_constraint is Constraint.MEMORY
+    assert result.max_batch_size == 211
+    assert result.estimate_at_max.kernel_limit is None
 
 
 def test_longest_sequence():
@@ -317,6 +372,7 @@ def test_grid_dimension_limit_binds_before_memory():
     assert result.binding_constraint is Constraint.GRID_DIM
     assert result.max_batch_size == 65535 // 64 == 1023
     assert "65,536" in result.note and "<root>" in result.note
+    assert "scaled_dot_product_attention (flash)" in result.note
     assert result.to_dict()["binding_constraint"] == "grid_dim"
 
 

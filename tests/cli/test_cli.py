@@ -305,6 +305,17 @@ BAD = [
     (["search", "{factory}:with_spec", "--device", "npu"], 2, "unknown device"),
     (["search", "{factory}:with_spec", "--memory-cap", "64TiB"], 2, "larger than this machine"),
     (["search", "{factory}:with_spec", "--steps-per-trial", "0"], 2, "--steps-per-trial"),
+    (["max", "timm:resnet18", "--gpu", "T4", "--torch-version", "3.1"], 2, "unknown --torch-version"),
+    (["max", "timm:resnet18", "--gpu", "T4", "--torch-version", "new"], 2, "malformed --torch-version"),
+    (["max", "timm:resnet18", "--gpu", "T4", "--cuda-version", "11.4"], 2, "unknown --cuda-version"),
+    (["estimate", "timm:resnet18", "-b", "2", "--stack", "2.4"], 2, "malformed --stack"),
+    # CUDA 11.3 has no lazy module loading: a 1,343 MiB context + 2 x 8.125 MiB (T4)
+    (["max", "timm:resnet18", "--gpu", "T4", "--memory", "1GiB", "--stack", "torch1.12+cu113"],
+     2, "below the 1,425,276,928 B"),
+    (["estimate", "timm:resnet18", "-b", "2", "--gpu", "T4", "--memory", "1GiB",
+      "--cuda-version", "11.3", "--torch-version", "1.12"], 2, "below the 1,425,276,928 B"),
+    (["estimate", "timm:resnet18", "-b", "2", "--stack", "torch2.4+cu124",
+      "--torch-version", "2.4"], 2, "not both"),
 ]
 
 
@@ -318,6 +329,19 @@ def test_bad_input_gets_one_clear_line(args, code, fragment, factory_file):
     assert len(lines) == 1, result.output
     assert "Traceback" not in result.output
     assert fragment.lower() in result.output.lower().replace("\n", " "), result.output
+
+
+def test_stack_sets_the_context_in_json(factory_file):
+    # torch 1.12 + CUDA 11.3 loads every kernel eagerly: 1,343 MiB of context; the
+    # installed torch (CUDA >= 12.2) loads lazily: 512 MiB.
+    old = invoke("max", f"{factory_file}:with_spec", "--gpu", "T4", "--stack", "torch1.12+cu113",
+                 "--max-batch-limit", "64", "--json")
+    new = invoke("max", f"{factory_file}:with_spec", "--gpu", "T4", "--max-batch-limit", "64",
+                 "--json")
+    assert old.exit_code == 0 and new.exit_code == 0, old.output + new.output
+    assert json.loads(old.output)["device"]["context_bytes"] == 1343 * MIB
+    assert json.loads(new.output)["device"]["context_bytes"] == 512 * MIB
+    assert json.loads(old.output)["stack"]["torch_version"] == "1.12"
 
 
 def test_debug_shows_the_traceback():

@@ -9,7 +9,8 @@ from torch import nn
 import batchfit
 from batchfit.device.profile import DeviceProfile
 from batchfit.engine.spec import TrainConfig
-from batchfit.engine.trace import Category, EventKind, Phase, trace_step
+from batchfit.engine.trace import trace_step
+from batchfit.engine.tracer import Category, EventKind, Phase
 
 MIB = 1 << 20
 A100 = DeviceProfile.cuda(80 << 30, (8, 0), name="A100")

@@ -73,7 +73,8 @@ def test_keras_steady_step_keeps_last_steps_gradients_through_forward() -> None:
     # 3*3*3*16+16, BN 2*16, conv 3*3*16*32+32, dense (13*13*32)*64+64, dense 64*10+10.
     from batchfit.device.profile import DeviceProfile
     from batchfit.engine.spec import TrainConfig
-    from batchfit.engine.trace import EventKind, Phase, trace_step
+    from batchfit.engine.trace import trace_step
+    from batchfit.engine.tracer import EventKind, Phase
 
     weights = 448 + 32 + 4640 + (13 * 13 * 32) * 64 + 64 + 650
     trace = trace_step(keras_models.sequential_cnn, TensorSpec((32, 32, 3)), 4, TrainConfig(),

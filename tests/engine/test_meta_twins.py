@@ -15,9 +15,10 @@ from torch import nn
 
 from batchfit.device.profile import resolve_device
 from batchfit.engine import _torch_internals as ti
-from batchfit.engine import trace as trace_module
+from batchfit.engine import tracer as tracer_module
 from batchfit.engine.spec import TrainConfig
-from batchfit.engine.trace import Category, EventKind, trace_step
+from batchfit.engine.trace import trace_step
+from batchfit.engine.tracer import Category, EventKind
 
 aten = torch.ops.aten
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -264,7 +265,7 @@ def tiny_cnn() -> nn.Module:
 
 
 def events(model, shape, precision, device, monkeypatch, twins, mode="train"):
-    monkeypatch.setattr(trace_module, "META_TWINS", ti.MetaTwins() if twins else None)
+    monkeypatch.setattr(tracer_module, "META_TWINS", ti.MetaTwins() if twins else None)
     config = TrainConfig(precision=precision, optimizer="adamw", mode=mode)
     traced = trace_step(model, shape, 4, config, resolve_device(device))
     return [(e.kind, e.nbytes, e.category, e.op, e.phase, e.module)

@@ -17,7 +17,8 @@ import torch  # noqa: E402
 
 from batchfit.answers.estimate import estimate  # noqa: E402
 from batchfit.engine.spec import TensorSpec, TrainConfig  # noqa: E402
-from batchfit.engine.trace import Category, EventKind, Phase, trace_step  # noqa: E402
+from batchfit.engine.trace import trace_step
+from batchfit.engine.tracer import Category, EventKind, Phase  # noqa: E402
 from batchfit.errors import InvalidInputError  # noqa: E402
 
 H, I, V, LAYERS, KV_HEADS, HEADS = 256, 512, 1000, 2, 2, 4

@@ -12,11 +12,6 @@ each test checks one scenario's results. Every expected answer is derived by han
   processes (the wrapped module is what is sent) and in process (the way CUDA searches):
   rank 1 runs out of memory in forward while rank 0 goes through backward, which under
   DDP's own forward would block in its gradient all-reduce;
-* an FSDP2 model (``ShardedRaisesAbove``, two ``fully_shard`` units), searched from its
-  factory with ``parallel=``: each trial's processes form a gloo group of their own and
-  shard the model; above batch 5 rank 1 runs out of memory between the two units'
-  all-gathers, while rank 0 waits in the second: rank 0's trial must end at once ("another
-  rank's trial stopped", its peer's sockets closed), not hang, and both agree on 5;
 * a non-memory error, or a bad argument, on rank 1 only: both ranks raise, neither hangs.
 
 Collectives time out after 60 s and the whole run is killed after ``RUN_TIMEOUT_S``, so a
@@ -29,16 +24,16 @@ import datetime
 import functools
 import json
 import os
-import socket
 import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from capped_models import Broadcast
 from torch import nn
+
+from capped_models import Broadcast
+from gloo_ranks import run_ranks, scenario_results
 
 MIB = 1 << 20
 WORLD_SIZE = 2
@@ -47,7 +42,7 @@ LIMITS = (9, 5)
 #: Per-rank memory caps for ``Broadcast`` (12 MiB per sample): 8 and 5 samples.
 CAPS = (100 * MIB, 64 * MIB)
 AGREED = 5
-RUN_TIMEOUT_S = 360
+RUN_TIMEOUT_S = 240
 
 
 class RaisesAbove(nn.Module):
@@ -63,23 +58,6 @@ class RaisesAbove(nn.Module):
         if x.shape[0] > self.limit:
             raise torch.OutOfMemoryError(f"fake: batch {x.shape[0]} > {self.limit}")
         return self.linear(x)
-
-
-class ShardedRaisesAbove(nn.Module):
-    """Two linear layers, each its own FSDP2 unit; above ``limit`` samples forward raises
-    ``torch.OutOfMemoryError`` after the first unit, before the second unit's all-gather."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-        self.first = nn.Linear(8, 8)
-        self.second = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.first(x)
-        if x.shape[0] > self.limit:
-            raise torch.OutOfMemoryError(f"fake: batch {x.shape[0]} > {self.limit}")
-        return self.second(hidden)
 
 
 class BadOnRankOne(nn.Module):
@@ -162,22 +140,6 @@ def _ddp_in_process(rank: int, server) -> dict:
     return {**_summary(result), "restored": restored, "ddp_grads_agree": gathered[0] == gathered[1]}
 
 
-def _fsdp_capped(rank: int, server) -> dict:
-    from batchfit.realrun.search import search_max_batch
-    from batchfit.sharding import Parallelism
-
-    start = time.perf_counter()
-    result = search_max_batch(functools.partial(ShardedRaisesAbove, LIMITS[rank]), (8,),
-                              device="cpu", memory_cap_bytes=64 * MIB, optimizer="sgd",
-                              predicted=8, trial_server=server, timeout_s=90,
-                              parallel=Parallelism(world_size=WORLD_SIZE, strategy="fsdp",
-                                                   wrap=("Linear",)))
-    errors = {t.batch_size: t.error for t in result.trials if not t.fits}
-    return {**_summary(result), "errors": errors,
-            "slowest_trial_s": max(t.seconds for t in result.trials),
-            "search_s": time.perf_counter() - start}
-
-
 def _error_on_one_rank(rank: int, server) -> dict:
     from batchfit.realrun.search import search_max_batch
 
@@ -203,8 +165,7 @@ def _bad_argument_on_one_rank(rank: int, server) -> dict:
 
 
 SCENARIOS = {"fake_oom": _fake_oom, "real_cap": _real_cap, "ddp_capped": _ddp_capped,
-             "ddp_in_process": _ddp_in_process, "fsdp_capped": _fsdp_capped,
-             "error": _error_on_one_rank,
+             "ddp_in_process": _ddp_in_process, "error": _error_on_one_rank,
              "bad_argument": _bad_argument_on_one_rank}
 
 
@@ -234,42 +195,16 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # --------------------------------------------------------------------------- the tests
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("ranks")
-    context = mp.spawn(_rank_main, args=(_free_port(), str(out_dir)), nprocs=WORLD_SIZE,
-                       join=False)
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {RUN_TIMEOUT_S} s (a hang)")
-    results = []
-    for rank in range(WORLD_SIZE):
-        with open(out_dir / f"rank{rank}.json") as saved:
-            results.append(json.load(saved))
-    return results
-
-
-def _scenario(ranks: list[dict], name: str) -> list[dict]:
-    found = [r[name] for r in ranks]
-    for rank, result in enumerate(found):
-        assert "crashed" not in result, f"rank {rank}:\n{result['crashed']}"
-    return found
+    return run_ranks(_rank_main, tmp_path_factory.mktemp("ranks"), WORLD_SIZE, RUN_TIMEOUT_S)
 
 
 def test_ranks_agree_on_the_smaller_ranks_maximum_with_a_fake_oom(ranks):
-    zero, one = _scenario(ranks, "fake_oom")
+    zero, one = scenario_results(ranks, "fake_oom")
     assert zero["max"] == one["max"] == min(LIMITS) == AGREED
     assert zero["limiting_rank"] == one["limiting_rank"] == 1
     assert zero["world_size"] == one["world_size"] == WORLD_SIZE
@@ -282,7 +217,7 @@ def test_ranks_agree_on_the_smaller_ranks_maximum_with_a_fake_oom(ranks):
 
 
 def test_ranks_agree_under_real_memory_caps(ranks):
-    zero, one = _scenario(ranks, "real_cap")
+    zero, one = scenario_results(ranks, "real_cap")
     # 64 MiB / 12 MiB per sample = 5.33: rank 1 fits 5 with 4 MiB to spare.
     assert zero["max"] == one["max"] == AGREED
     assert zero["limiting_rank"] == one["limiting_rank"] == 1
@@ -292,39 +227,27 @@ def test_ranks_agree_under_real_memory_caps(ranks):
 
 
 def test_ddp_model_is_searched_through_its_wrapped_module(ranks):
-    zero, one = _scenario(ranks, "ddp_capped")
+    zero, one = scenario_results(ranks, "ddp_capped")
     assert zero["max"] == one["max"] == AGREED
 
 
 def test_in_process_trials_of_a_ddp_model_never_wait_in_ddps_all_reduce(ranks):
-    zero, one = _scenario(ranks, "ddp_in_process")
+    zero, one = scenario_results(ranks, "ddp_in_process")
     assert zero["max"] == one["max"] == AGREED
     assert dict(zero["trials"])[AGREED + 1] and not dict(one["trials"])[AGREED + 1]
     assert zero["restored"] and one["restored"]
     assert zero["ddp_grads_agree"] and one["ddp_grads_agree"]
 
 
-def test_fsdp_trials_shard_across_the_ranks_and_an_oom_strands_no_rank(ranks):
-    zero, one = _scenario(ranks, "fsdp_capped")
-    assert zero["max"] == one["max"] == AGREED
-    assert zero["limiting_rank"] == one["limiting_rank"] == 1
-    assert [b for b, _ in zero["trials"]] == [b for b, _ in one["trials"]]
-    above = str(AGREED + 1)  # JSON keys
-    assert "batch 6 > 5" in one["errors"][above]
-    # rank 0 fits 6 on its own, but its trial's peer left: it stopped, not waited
-    assert "another rank's trial stopped" in zero["errors"][above]
-    assert zero["slowest_trial_s"] < 30 and one["slowest_trial_s"] < 30
-
-
 def test_an_error_on_one_rank_is_raised_on_every_rank(ranks):
-    zero, one = _scenario(ranks, "error")
+    zero, one = scenario_results(ranks, "error")
     assert one["raised"] == "ValueError" and "broken" in one["message"]
     assert zero["raised"] == "TrialError"
     assert "rank 1" in zero["message"] and "broken" in zero["message"]
 
 
 def test_a_bad_argument_on_one_rank_is_raised_on_every_rank(ranks):
-    zero, one = _scenario(ranks, "bad_argument")
+    zero, one = scenario_results(ranks, "bad_argument")
     assert one["raised"] == "InvalidInputError" and "memory cap" in one["message"]
     assert zero["raised"] == "TrialError"
     assert "rank 1" in zero["message"] and "arguments" in zero["message"]
@@ -339,23 +262,13 @@ def test_a_group_without_torch_distributed_is_a_clear_error():
         agreement_for(object())
 
 
-def test_a_sharded_model_itself_is_refused_with_how_to_search_it():
+def test_sharded_models_are_refused():
     from batchfit.errors import InvalidInputError
     from batchfit.realrun.distributed import local_module
 
     class FullyShardedDataParallel(nn.Module):  # what FSDP's class is called
         pass
 
-    with pytest.raises(InvalidInputError, match="parallel=Parallelism"):
+    with pytest.raises(InvalidInputError, match="FSDP"):
         local_module(FullyShardedDataParallel())
-
-
-def test_parallel_without_torch_distributed_is_a_clear_error():
-    from batchfit.errors import InvalidInputError
-    from batchfit.realrun.search import search_max_batch
-    from batchfit.sharding import Parallelism
-
-    with pytest.raises(InvalidInputError, match="init_process_group"):
-        search_max_batch(functools.partial(ShardedRaisesAbove, 4), (8,), device="cpu",
-                         optimizer="sgd", parallel=Parallelism(world_size=2, strategy="fsdp"))
 

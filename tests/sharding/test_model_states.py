@@ -30,7 +30,8 @@ from torch import nn
 
 from batchfit.device.profile import DeviceProfile
 from batchfit.engine.spec import TrainConfig
-from batchfit.engine.trace import Category, alive_at_end
+from batchfit.engine.trace import alive_at_end
+from batchfit.engine.tracer import Category
 from batchfit.sharding.layout import Parallelism
 from batchfit.sharding.rank import trace_rank
 
@@ -122,7 +123,7 @@ def test_fsdp2_cpu_offload_keeps_model_state_off_the_gpu() -> None:
     # per block, (24 + 2) for the root's head. Every unit gathers twice, in forward and
     # again in backward (reshard_after_forward=True for every unit, the root included,
     # as torchtitan shards).
-    from batchfit.engine.trace import EventKind
+    from batchfit.engine.tracer import EventKind
     from batchfit.sharding.offload import COPY_TO_DEVICE
 
     layout = Parallelism(world_size=4, strategy="fsdp", offload="params")

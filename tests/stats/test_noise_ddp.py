@@ -13,19 +13,18 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from noise_models import half_mse, linear_regression
 from torch import nn
 
 from batchfit.stats.estimator import two_batch_estimates
 from batchfit.stats.measure import noise_scale
+from gloo_ranks import run_ranks, scenario_results
 
 WORLD_SIZE = 2
 MICRO, SIZE, STEPS = 2, 5, 3
@@ -108,39 +107,13 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("noise_ranks")
-    context = mp.spawn(_rank_main, args=(_free_port(), str(out_dir)), nprocs=WORLD_SIZE,
-                       join=False)
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {RUN_TIMEOUT_S} s (a hang)")
-    found = []
-    for rank in range(WORLD_SIZE):
-        with open(out_dir / f"rank{rank}.json") as saved:
-            found.append(json.load(saved))
-    return found
-
-
-def _scenario(ranks: list[dict], name: str) -> list[dict]:
-    found = [r[name] for r in ranks]
-    for rank, result in enumerate(found):
-        assert "crashed" not in result, f"rank {rank}:\n{result['crashed']}"
-    return found
+    return run_ranks(_rank_main, tmp_path_factory.mktemp("noise_ranks"), WORLD_SIZE, RUN_TIMEOUT_S)
 
 
 def test_ddp_noise_scale_is_within_10_percent_and_agrees_with_per_example(ranks):
-    first, second = _scenario(ranks, "noise_scale")
+    first, second = scenario_results(ranks, "noise_scale")
     assert first["b_simple"] == second["b_simple"]  # the ranks all-reduce to one answer
     assert first["method"] == "ddp" and (first["batch_small"], first["batch_big"]) == (8, 64)
     truth = first["truth"]
@@ -155,7 +128,7 @@ def test_ddp_noise_scale_is_within_10_percent_and_agrees_with_per_example(ranks)
 
 @pytest.mark.parametrize("scenario", ["monitor", "monitor_told_accumulation"])
 def test_ddp_monitor_reads_small_norms_before_the_all_reduce(ranks, scenario):
-    first, second = _scenario(ranks, scenario)
+    first, second = scenario_results(ranks, scenario)
     assert first["history"] == second["history"]
     assert first["method"] == "ddp"
     assert (first["batch_small"], first["batch_big"]) == (SIZE, SIZE * MICRO * WORLD_SIZE)

@@ -17,8 +17,10 @@ from torch import nn
 
 from batchfit.device.profile import DeviceProfile, resolve_device
 from batchfit.device.timeline import ModuleMemory, Timeline, needed_bytes, replay_events
+from batchfit.engine.limits import KernelLimit
 from batchfit.engine.spec import TrainConfig, make_config
-from batchfit.engine.trace import Category, Phase, StepTrace, TraceReuse, trace_step
+from batchfit.engine.trace import StepTrace, TraceReuse, trace_step
+from batchfit.engine.tracer import Category, Phase
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class MemoryEstimate:
             context; CPU: the runtime's overhead, if the profile has one).
         first_step_peak_bytes: the same total for the first step (optimizer state is created);
             None when not computed.
-        by_category: bytes by :class:`~batchfit.engine.trace.Category` at the peak; sums to total_bytes.
+        by_category: bytes by :class:`~batchfit.engine.tracer.Category` at the peak; sums to total_bytes.
         peak_phase, peak_op, peak_module: where the peak happens.
         top_modules: modules holding the most activation/temporary memory at the peak.
         timeline: the per-event timeline of the step.
@@ -58,6 +60,8 @@ class MemoryEstimate:
     warnings: tuple[str, ...] = ()
     largest_tensor: tuple[int, str, str] = (0, "", "")  # (elements, op, module)
     largest_grid: tuple[int, str, str] = (0, "", "")  # (CUDA grid y/z extent, kernel, module)
+    #: the launch nearest its kernel's hard limit (32-bit indexing, grid dimension)
+    kernel_limit: KernelLimit | None = None
     host_backed_bytes: int = 0  # paged optimizer state in unified memory, outside total_bytes
 
     def explain(self) -> str:
@@ -91,6 +95,10 @@ class MemoryEstimate:
             "warnings": list(self.warnings),
             "largest_tensor_elements": self.largest_tensor[0],
             "largest_grid_dim": self.largest_grid[0],
+            "kernel_limit": None if self.kernel_limit is None else {
+                "kind": self.kernel_limit.kind.value, "measure": self.kernel_limit.measure,
+                "limit": self.kernel_limit.limit, "op": self.kernel_limit.op,
+                "kernel": self.kernel_limit.kernel, "module": self.kernel_limit.module},
             "host_backed_bytes": self.host_backed_bytes,
         }
         if timeline:
@@ -128,7 +136,7 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
         4198400
     """
     config = make_config(config, options)
-    profile = resolve_device(device)
+    profile = resolve_device(device).for_stack(config.resolved_stack)
     trace = trace_step(model, inputs, batch_size, config, profile, reuse)
     return summarize(trace, profile, first_step=first_step)
 
@@ -140,7 +148,7 @@ def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) 
     if trace.first_events is trace.steady_events:
         first_peak: int | None = steady.peak_reserved_bytes + overhead
     elif first_step:
-        first_peak = needed_bytes(trace.first_events, device) + overhead
+        first_peak = needed_bytes(trace.first_events, device, loop=False) + overhead
     else:
         first_peak = None
     warnings = tuple(
@@ -157,4 +165,5 @@ def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) 
         parameter_count=trace.parameter_count,
         trainable_parameter_count=trace.trainable_parameter_count, warnings=warnings,
         largest_tensor=trace.largest_tensor, largest_grid=trace.largest_grid,
+        kernel_limit=trace.kernel_limit,
         host_backed_bytes=trace.host_backed_bytes)

@@ -7,10 +7,13 @@ already model the caching allocator's reserved memory). Each candidate batch is
 one fake trace; :mod:`batchfit.answers.solve` picks the candidates and confirms the
 answer by tracing B* (fits) and B*+1 (does not).
 
-Non-memory limits: many CUDA kernels index with 32-bit integers and fail once a
-tensor exceeds 2**31 - 1 elements. The largest traced tensor at the answer is
-checked; when that limit binds before memory does, the answer is lowered to the
-largest batch that respects it and ``binding_constraint`` says so.
+Non-memory limits: some CUDA kernels refuse a launch whatever the memory: the native
+depthwise convolution indexes with 32-bit integers, fused attention cannot launch a
+grid dimension above 65,535. The rules, per kernel and per stack, live in
+:mod:`batchfit.engine.limits`; each trace records the launch nearest its limit. When
+that limit binds before memory does, the answer is lowered to the largest batch that
+respects it, ``binding_constraint`` says which kind, and ``note`` names the op, the
+kernel, the size and the source of the rule.
 
 Example:
     >>> import torch, batchfit
@@ -38,15 +41,12 @@ from batchfit.answers.tracepool import TracePool
 from batchfit.device.profile import DeviceProfile, resolve_device
 from batchfit.device.timeline import fits_within, needed_bytes, peak_live_bytes
 from batchfit.engine.spec import TensorSpec, TrainConfig, make_config
-from batchfit.engine.trace import Event, StepTrace, TraceReuse, trace_step
+from batchfit.engine.trace import StepTrace, TraceReuse, trace_step
+from batchfit.engine.tracer import Event
 from batchfit.errors import InvalidInputError
 
 #: The largest batch size the solver will report (tiny models fit absurd batches).
 DEFAULT_MAX_BATCH_LIMIT = 1 << 16
-#: Kernels with 32-bit indexing fail beyond this many elements in one tensor.
-INT32_ELEMENT_LIMIT = 2**31 - 1
-#: CUDA's limit on a kernel's grid y and z dimensions.
-GRID_YZ_LIMIT = 65535
 
 
 class Constraint(StrEnum):
@@ -85,6 +85,7 @@ class MaxBatchResult:
     evaluated: tuple[tuple[int, int], ...]
     device: DeviceProfile
     note: str = ""
+    stack: Any = None  # the Stack the step was predicted for (batchfit.engine.stack)
     parallel: Any = None  # a batchfit.sharding.Parallelism: the answer is per rank
     ranks: tuple[tuple[int, int, int], ...] = ()  # (rank, max batch, bytes at it)
     binding_rank: int | None = None
@@ -115,6 +116,7 @@ class MaxBatchResult:
             "explanation": est.explain(),
             "evaluated": [list(pair) for pair in self.evaluated],
             "note": self.note,
+            "stack": self.stack.to_dict() if self.stack is not None else None,
             "host_backed_bytes": est.host_backed_bytes,
         }
 
@@ -195,7 +197,7 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         NothingFits: batch 1 does not fit (``needed_bytes`` vs ``budget_bytes``).
     """
     config = make_config(config, options)
-    profile = resolve_device(device)
+    profile = resolve_device(device).for_stack(config.resolved_stack)
     if parallel is not None:
         return _max_batch_per_rank(model, inputs, config, profile, parallel, nccl,
                                    memory_bytes, margin, max_batch_limit, on_trace, fit_batches)
@@ -265,22 +267,16 @@ def _max_batch(model: Any, inputs: Any, config: TrainConfig, profile: DeviceProf
     capped = answer == max_batch_limit
     constraint = Constraint.LIMIT if capped else Constraint.MEMORY
     note = f"capped at max_batch_limit={max_batch_limit}; more may fit" if capped else ""
-    if profile.is_cuda and estimates[answer].largest_tensor[0] > INT32_ELEMENT_LIMIT:
-        answer = _limit_safe_batch(answer, estimates, peak, _tensor_elements, INT32_ELEMENT_LIMIT)
-        constraint = Constraint.INT32_INDEXING
-        numel_at, op, module = estimates[answer + 1].largest_tensor
-        note = (f"batch {answer + 1} makes a tensor of {numel_at:,} elements "
-                f"(> 2**31-1) in {module or '<root>'} ({op}); many CUDA kernels fail there")
-    if profile.is_cuda and estimates[answer].largest_grid[0] > GRID_YZ_LIMIT:
-        answer = _limit_safe_batch(answer, estimates, peak, _grid_extent, GRID_YZ_LIMIT)
-        constraint = Constraint.GRID_DIM
-        extent, kernel, module = estimates[answer + 1].largest_grid
-        note = (f"batch {answer + 1} launches {kernel} in {module or '<root>'} with a grid "
-                f"dimension of {extent:,} (> 65,535): CUDA refuses the launch")
+    if profile.is_cuda and _exceeded(estimates[answer]):
+        answer = _limit_safe_batch(answer, estimates, peak)
+        hit = estimates[answer + 1].kernel_limit
+        assert hit is not None  # _limit_safe_batch stops below the first batch that exceeds
+        constraint = Constraint(hit.kind.value)
+        note = f"at batch {answer + 1}, {hit.describe()} ({hit.source})"
     at_max = estimates[answer]
     if at_max.first_step_peak_bytes is None:  # the solver's traces skip the first step
         at_max = replace(at_max, first_step_peak_bytes=profile.outside_allocator_bytes + needed_bytes(
-            traces[answer].first_events, profile))
+            traces[answer].first_events, profile, loop=False))
     at_next = estimates.get(answer + 1)
     return MaxBatchResult(
         max_batch_size=answer, budget_bytes=budget, memory_bytes=memory, margin=margin,
@@ -289,7 +285,7 @@ def _max_batch(model: Any, inputs: Any, config: TrainConfig, profile: DeviceProf
         traces=len(estimates), binding_constraint=constraint,
         estimate_at_max=at_max, estimate_at_next=at_next,
         evaluated=tuple((b, _allocator_bytes(e)) for b, e in estimates.items()),
-        device=profile, note=note)
+        device=profile, note=note, stack=config.resolved_stack)
 
 
 def _trace_pool(trace: Callable[[int], Any], model: Any, profile: DeviceProfile,
@@ -437,27 +433,25 @@ def _interpolator(first: Sequence[Event], second: Sequence[Event], at_first: int
     return events_at
 
 
-def _tensor_elements(est: MemoryEstimate) -> int:
-    return est.largest_tensor[0]
-
-
-def _grid_extent(est: MemoryEstimate) -> int:
-    return est.largest_grid[0]
+def _exceeded(est: MemoryEstimate) -> bool:
+    return est.kernel_limit is not None and est.kernel_limit.exceeded
 
 
 def _limit_safe_batch(answer: int, estimates: dict[int, MemoryEstimate],
-                      peak: Callable[[int], int], measure: Callable[[MemoryEstimate], int],
-                      limit: int) -> int:
-    """Largest batch whose ``measure`` (a tensor's elements, a grid dimension; ~ linear in
-    B) stays within ``limit``, confirmed by tracing B and B+1 as for memory."""
-    guess = max(1, limit * answer // measure(estimates[answer]))
+                      peak: Callable[[int], int]) -> int:
+    """Largest batch whose launches all stay within their kernels' limits (each measure, a
+    tensor's elements or a grid dimension, grows about linearly in B), confirmed by
+    tracing B and B+1 as for memory."""
+    hit = estimates[answer].kernel_limit
+    assert hit is not None
+    guess = max(1, min(answer - 1, int(answer * hit.limit // hit.measure)))
     while True:
         for b in (guess, guess + 1):
             if b not in estimates:
                 peak(b)
-        if measure(estimates[guess]) > limit and guess > 1:
+        if _exceeded(estimates[guess]) and guess > 1:
             guess -= 1
-        elif measure(estimates[guess + 1]) <= limit:
+        elif not _exceeded(estimates[guess + 1]):
             guess += 1
         else:
             return guess
@@ -474,7 +468,7 @@ def max_seq_len(model: Any, inputs: Any, batch_size: int, config: TrainConfig | 
     dimension) gets the candidate length.
     """
     config = make_config(config, options)
-    profile = resolve_device(device)
+    profile = resolve_device(device).for_stack(config.resolved_stack)
     _, budget = _budget(profile, memory_bytes, margin)
     totals: dict[int, MemoryEstimate] = {}
     reuse = TraceReuse()

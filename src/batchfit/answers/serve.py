@@ -33,8 +33,15 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from batchfit.answers.kvcache import (BlockPlan, CacheKind, LayerCache, dtype_bytes,
-                                      kv_bytes_per_token, layer_caches, plan_blocks)
+from batchfit.answers.kvcache import (
+    BlockPlan,
+    CacheKind,
+    LayerCache,
+    dtype_bytes,
+    kv_bytes_per_token,
+    layer_caches,
+    plan_blocks,
+)
 from batchfit.device.profile import DeviceProfile, resolve_device
 from batchfit.errors import InvalidInputError
 
@@ -281,7 +288,7 @@ def _profile_activation(base: Any, config: Any, dtype: str, profile: DeviceProfi
     ``tokens`` tokens, or the sampler run (hidden states + logits rows), the larger."""
     from batchfit.answers.estimate import estimate
     from batchfit.engine.spec import TensorSpec, TrainConfig
-    from batchfit.engine.trace import Category
+    from batchfit.engine.tracer import Category
 
     precision = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
     config_infer = TrainConfig(mode="infer", precision=precision)
@@ -400,7 +407,7 @@ def _serve_hf(model: str, config: Any, profile: DeviceProfile, dtype: str, kv_na
 
 
 def _trace_weights(est: Any) -> int:
-    from batchfit.engine.trace import Category
+    from batchfit.engine.tracer import Category
 
     held = est.by_category
     return held.get(Category.PARAMETERS, 0) + held.get(Category.BUFFERS, 0)

@@ -1,4 +1,4 @@
-"""The command line: ``batchfit estimate | max | search | bench | gpus | noise | recommend``.
+"""The command line: ``batchfit estimate | max | search | bench | gpus | noise | recommend | serve | plan``.
 
 Owns the typer app (:mod:`batchfit.cli.app`), the rich renderings of results
 (:mod:`batchfit.cli.report`) and the matplotlib figures (:mod:`batchfit.cli.plot`).
@@ -7,6 +7,8 @@ Commands import torch and the engine lazily, so ``batchfit --help`` stays fast.
 """
 
 from batchfit.cli import noise as _noise  # noqa: F401 - registers noise and recommend
+from batchfit.cli import plan as _plan  # noqa: F401 - registers plan
+from batchfit.cli import serve as _serve  # noqa: F401 - registers serve
 from batchfit.cli.app import app, main
 
 __all__ = ["app", "main"]

@@ -54,6 +54,13 @@ CkptOpt = typer.Option(None, "--checkpointing/--no-checkpointing",
                        help="activation checkpointing (default off; on with --quant, as peft's "
                        "prepare_model_for_kbit_training does)")
 ClOpt = typer.Option(False, "--channels-last", help="channels-last memory format")
+StackOpt = typer.Option(None, "--stack",
+                        help="torch and CUDA versions the step runs on, e.g. torch2.4+cu124 "
+                             "(default: the installed torch)")
+TorchVerOpt = typer.Option(None, "--torch-version", help="torch version, e.g. 1.12 or 2.4")
+CudaVerOpt = typer.Option(None, "--cuda-version", help="CUDA version of that torch, e.g. 11.3")
+CudnnBenchOpt = typer.Option(False, "--cudnn-benchmark",
+                             help="the script sets torch.backends.cudnn.benchmark = True")
 OverheadOpt = typer.Option(
     None, "--overhead",
     help="memory outside the tensors, e.g. 600MiB: the CUDA context (GPU), or the CPU runtime's "
@@ -163,6 +170,19 @@ def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
     return profile, memory_bytes
 
 
+def _stack_settings(stack: str | None, torch_version: str | None, cuda_version: str | None,
+                    cudnn_benchmark: bool) -> dict[str, Any]:
+    """TrainConfig fields for the stack options (checked now: a bad version is one line)."""
+    settings: dict[str, Any] = {"cudnn_benchmark": cudnn_benchmark}
+    if stack is not None or torch_version is not None or cuda_version is not None:
+        from batchfit.engine.stack import Stack
+
+        settings["stack"] = Stack.parse(stack=stack, torch_version=torch_version,
+                                        cuda_version=cuda_version)
+    return settings
+
+
+
 @dataclass(frozen=True)
 class LlmArgs:
     """The LLM options of ``estimate`` and ``max`` (README, "LLM fine-tuning")."""
@@ -205,7 +225,7 @@ def _parallel(world_size: int | None, strategy: str | None, offload: str, tp: in
 def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str,
            optimizer: str | None, precision: str | None, checkpointing: bool | None,
            channels_last: bool, model_kwargs: list[str] | None,
-           llm: LlmArgs | None = None) -> tuple[Any, Any, Any]:
+           llm: LlmArgs | None = None, **settings: Any) -> tuple[Any, Any, Any]:
     from dataclasses import replace
 
     from batchfit.engine.spec import TrainConfig, parse_optimizer
@@ -224,7 +244,7 @@ def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str,
         precision=parse_enum(Precision, precision, "precision"),
         checkpointing=checkpointing, channels_last=channels_last,
         lora=llm.lora, quant=llm.quant, loss=llm.loss, grad_accum_steps=llm.grad_accum,
-        use_reentrant=llm.use_reentrant,
+        use_reentrant=llm.use_reentrant, **settings,
         # flash attention takes packed rows as varlen sequences and builds no mask
         packing=llm.packing and _ATTN.get((llm.attn or "sdpa").strip().lower()) != "flash")
     if config.quant is not None and config.lora is None and config.mode is Mode.TRAIN:
@@ -289,6 +309,8 @@ def estimate_cmd(
     mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
     checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
+    stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
+    cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
     lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
@@ -303,6 +325,7 @@ def estimate_cmd(
         if batch_size < 1:
             raise InvalidInputError(f"--batch-size must be a positive integer, not {batch_size}")
         _check_plot(plot)
+        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark)
         if memory is not None and not gpu:
             raise InvalidInputError(
                 "estimate --memory goes with --gpu NAME, as that card's memory; an estimate "
@@ -310,10 +333,13 @@ def estimate_cmd(
         parallel, nccl = _parallel(world_size, strategy, offload, tp, nodes, rank, wrap,
                                    nccl_memory)
         profile, _ = _resolve_device(gpu, device, memory, overhead, need_budget=False)
+        if "stack" in settings:
+            profile.for_stack(settings["stack"])
         with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
             llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
-                                          checkpointing, channels_last, model_kwargs, llm)
+                                          checkpointing, channels_last, model_kwargs, llm,
+                                          **settings)
             _check_attn(llm, config, profile)
             if parallel is None:
                 from batchfit.answers.estimate import estimate
@@ -353,6 +379,8 @@ def max_cmd(
     batch_size: Optional[int] = typer.Option(
         None, "--batch-size", "-b",
         help="token models: fix the batch and find the longest --seq-len that fits"),
+    stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
+    cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
     lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
@@ -378,13 +406,17 @@ def max_cmd(
         if max_limit < 1:
             raise InvalidInputError("--max-batch-limit must be positive")
         _check_plot(plot)
+        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark)
         profile, memory_bytes = _resolve_device(gpu, device, memory, overhead, need_budget=True)
+        if "stack" in settings:  # the stack's context must leave room (checked before tracing)
+            profile.for_stack(settings["stack"])
         if not profile.is_cuda and memory_bytes is None:
             raise InvalidInputError("--device cpu needs --memory SIZE as the budget")
         with _progress(not as_json, f"resolving {model}...") as status:
             llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
-                                          checkpointing, channels_last, model_kwargs, llm)
+                                          checkpointing, channels_last, model_kwargs, llm,
+                                          **settings)
             _check_attn(llm, config, profile)
             if not profile.is_cuda and overhead is None:
                 if status is not None:
@@ -695,129 +727,6 @@ def _measure_progress(enabled: bool) -> Iterator[Any]:
             progress.update(task, advance=1, description=f"measuring batch {batch}")
 
         yield on_measure
-
-
-@app.command("serve")
-def serve_cmd(
-    model: str = typer.Argument(..., help="hf:NAME (offline table or a config directory)"),
-    gpu: str = typer.Option(..., "--gpu", help="a catalog GPU name (batchfit gpus lists them)"),
-    engine: str = typer.Option("vllm", "--engine", help="vllm (KV blocks) or hf (model.generate)"),
-    max_model_len: Optional[int] = typer.Option(
-        None, "--max-model-len", help="context per request (default: the model's)"),
-    utilization: float = typer.Option(0.9, "--gpu-memory-utilization",
-                                      help="fraction of the card vLLM may use"),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's), bf16, fp16"),
-    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="auto, fp16, bf16 or fp8"),
-    block_size: int = typer.Option(16, "--block-size", help="tokens per KV block"),
-    batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens",
-                                       help="tokens of vLLM's profile forward"),
-    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="requests per batch"),
-    non_torch: Optional[str] = typer.Option(
-        None, "--non-torch", help="memory outside torch's allocator (default 0.35GiB)"),
-    total_memory: Optional[str] = typer.Option(
-        None, "--total-memory", help="the card's memory as CUDA reports it (default: catalog)"),
-    batch_size: int = typer.Option(1, "--batch-size", "-b", help="--engine hf: sequences"),
-    prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="--engine hf: prompt"),
-    new_tokens: int = typer.Option(256, "--new-tokens", help="--engine hf: generated tokens"),
-    quant: Optional[str] = typer.Option(None, "--quant", help="--engine hf: bitsandbytes "
-                                        "weights (nf4, nf4-dq, fp4, fp4-dq, int8)"),
-    all_logits: bool = typer.Option(False, "--all-logits", help="--engine hf: the prefill "
-                                    "computes every prompt position's logits "
-                                    "(transformers < 4.45)"),
-    model_kwargs: Optional[list[str]] = KwargsOpt,
-    as_json: bool = JsonOpt, debug: bool = DebugOpt,
-) -> None:
-    """Serving capacity: KV-cache bytes per token, blocks, tokens and concurrent sequences."""
-    with _errors(debug):
-        from batchfit.answers.serve import serve_capacity
-        from batchfit.models.resolve import parse_model_kwargs
-
-        with _progress(not as_json, f"tracing {model}'s profile forward on {gpu}..."):
-            result = serve_capacity(
-                model, device=_serve_gpu(gpu), engine=engine, max_model_len=max_model_len,
-                gpu_memory_utilization=utilization, dtype=dtype, kv_dtype=kv_dtype,
-                block_size=block_size, max_num_batched_tokens=batched_tokens,
-                max_num_seqs=max_num_seqs,
-                non_torch_bytes=parse_size(non_torch, allow_zero=True) if non_torch else None,
-                total_memory_bytes=parse_size(total_memory) if total_memory else None,
-                batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
-                model_kwargs=parse_model_kwargs(model_kwargs or []), quant=quant,
-                all_logits=all_logits)
-        if as_json:
-            _emit_json(result.to_dict())
-            return
-        from batchfit.cli.report import render_serve
-
-        out.print(render_serve(result))
-
-
-def _serve_gpu(name: str) -> Any:
-    from batchfit.device.catalog import find_gpu
-    from batchfit.device.profile import gpu_profile
-
-    return gpu_profile(find_gpu(name))
-
-
-@app.command("plan")
-def plan_cmd(
-    model: str = ModelArg,
-    gpus: str = typer.Option(..., "--gpus", help='how many GPUs of which card, e.g. 8x"H100 SXM"'),
-    global_batch: int = typer.Option(..., "--global-batch", help="samples per optimizer step"),
-    nodes: int = NodesOpt,
-    strategies: Optional[str] = typer.Option(
-        None, "--strategies", help="comma-separated strategies to try (default: ddp, fsdp, "
-        "fsdp-grad-op, zero1, zero2, zero3, and hsdp on several nodes)"),
-    tp_degrees: Optional[str] = typer.Option(
-        None, "--tp", help="tensor-parallel degrees to try with FSDP, e.g. 2,4"),
-    checkpointing_policy: str = typer.Option(
-        "auto", "--checkpointing", help="off, on, or auto (only where nothing fits without)"),
-    offload_policy: str = typer.Option(
-        "auto", "--offload", help="none, or auto (only where nothing fits without)"),
-    network_gbs: Optional[float] = typer.Option(
-        None, "--network-gbs", help="network between nodes per GPU, GB/s each way (default 50)"),
-    input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
-    model_kwargs: Optional[list[str]] = KwargsOpt,
-    as_json: bool = JsonOpt, debug: bool = DebugOpt,
-) -> None:
-    """Rank multi-GPU layouts of a global batch by predicted step time, with memory per GPU."""
-    with _errors(debug):
-        with _progress(not as_json, f"resolving {model}...") as status:
-            spec, inputs, config = _setup(model, input_shape, seq_len, "train", optimizer,
-                                          precision, False, False, model_kwargs)
-            from batchfit.speed.plan import plan
-
-            def on_layout(label: str) -> None:
-                if status is not None:
-                    status.update(f"{model}: {label}...")
-
-            result = plan(spec.factory, inputs, config, gpus=gpus, global_batch=global_batch,
-                          nodes=nodes,
-                          strategies=[s.strip() for s in strategies.split(",") if s.strip()]
-                          if strategies else None,
-                          tp_degrees=_int_list(tp_degrees, "--tp"),
-                          checkpointing=checkpointing_policy.strip().lower(),
-                          offload=offload_policy.strip().lower(),
-                          network_bytes_per_s=network_gbs * 1e9 if network_gbs else None,
-                          on_layout=on_layout)
-        if as_json:
-            _emit_json({"model": model, **result.to_dict()})
-            return
-        from batchfit.cli.report import render_plan
-
-        out.print(render_plan(result, model))
-
-
-def _int_list(text: str | None, option: str) -> list[int]:
-    if not text:
-        return []
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise InvalidInputError(f"bad {option} {text!r}: give positive integers, e.g. 2,4")
-    return values
 
 
 @app.command("gpus")

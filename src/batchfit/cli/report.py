@@ -147,6 +147,10 @@ def render_max_batch(result: Any, model: str) -> Group:
         budget.add_row(f"needed at B={result.max_batch_size + 1}",
                        format_bytes(result.total_bytes_at_next))
     lines.append(budget)
+    stack = getattr(result, "stack", None)
+    if device.is_cuda and stack is not None:
+        loading = "lazy" if stack.lazy_module_loading else "eager"
+        lines.append(Text(f"stack: {stack.label}, {loading} module loading", style="dim"))
     if result.parallel is not None:
         lines.append(ranks_table(result.parallel, [(rank, f"batch {batch}", nbytes)
                                                    for rank, batch, nbytes in result.ranks],

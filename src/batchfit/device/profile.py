@@ -3,10 +3,12 @@
 CUDA overheads outside the caching allocator are documented defaults that the
 user can override:
 
-* ``context_bytes`` — the CUDA context and loaded kernels. With CUDA >= 11.7 lazy
-  module loading (the default on recent stacks) this is a few hundred MB; we use
-  **512 MiB**. Older stacks without lazy loading measured 1,343 MB on a V100
-  (torch 1.10): pass ``context_bytes`` to match your stack.
+* ``context_bytes`` — the CUDA context and loaded kernels. It depends on the stack
+  (:mod:`batchfit.engine.stack`): with lazy module loading (CUDA >= 11.7 with
+  torch >= 1.13, or CUDA >= 12.2) **512 MiB**; without it 1,343 MiB (measured on a
+  V100 with torch 1.10). A profile built without an explicit ``context_bytes`` takes
+  its stack's value when a step is predicted (:meth:`DeviceProfile.for_stack`); an
+  explicit one (``context_bytes=``, ``--overhead``) is kept.
 * ``workspace_bytes`` — cuBLAS/cuBLASLt workspaces, which torch allocates through
   the caching allocator once per handle and stream and keeps. torch's default
   ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:2:16:8`` (8.125 MiB) before Hopper and
@@ -75,6 +77,8 @@ class DeviceProfile:
     sm_count: int | None = None
     unified_memory: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: False once the user set the context; True while it is the stack's default.
+    context_from_stack: bool = field(default=False, compare=False)
     nccl_bytes: int = 0
     kernel_scratch: bool = True
 
@@ -109,18 +113,36 @@ class DeviceProfile:
             kind=DeviceKind.CUDA, name=name, total_memory_bytes=int(total_memory_bytes),
             compute_capability=cc,  # type: ignore[arg-type]
             context_bytes=DEFAULT_CONTEXT_BYTES if context_bytes is None else int(context_bytes),
+            context_from_stack=context_bytes is None,
             workspace_bytes=(default_workspace_bytes(cc) if workspace_bytes is None  # type: ignore[arg-type]
                              else int(workspace_bytes)),
             sm_count=sm_count)
 
     def with_overheads(self, context_bytes: int | None = None,
                        workspace_bytes: int | None = None) -> "DeviceProfile":
-        changes: dict[str, int] = {}
+        changes: dict[str, Any] = {}
         if context_bytes is not None:
             changes["context_bytes"] = int(context_bytes)
+            changes["context_from_stack"] = False
         if workspace_bytes is not None:
             changes["workspace_bytes"] = int(workspace_bytes)
         return replace(self, **changes)
+
+    def for_stack(self, stack: Any) -> "DeviceProfile":
+        """This profile with the CUDA context of ``stack`` (a
+        :class:`~batchfit.engine.stack.Stack`), unless the context was set explicitly.
+
+        Raises:
+            MemoryBelowOverheadError: the stack's context and the workspaces fill the memory.
+        """
+        if not (self.is_cuda and self.context_from_stack):
+            return self
+        context = stack.context_bytes()
+        if context == self.context_bytes:
+            return self
+        profile = replace(self, context_bytes=context)
+        _check_room_for_overheads(profile)  # e.g. --memory 1GiB with an eager-loading CUDA 11
+        return profile
 
     def to_dict(self) -> dict[str, Any]:
         return {

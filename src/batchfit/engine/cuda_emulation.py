@@ -213,6 +213,13 @@ class CudaEmulation:
         autocast_dtype: ``torch.float16`` or ``torch.bfloat16`` for mixed precision;
             None for none (then :meth:`autocast_region` does nothing).
         sdpa: substitute the target's attention kernel.
+        fused_attention: the target's torch has fused attention kernels (torch >= 2.0,
+            :attr:`batchfit.engine.stack.Stack.has_sdpa`); False runs every
+            ``scaled_dot_product_attention`` as CUDA's math path, the explicit attention
+            of older code.
+        softmax_saves_input: the target's autograd keeps softmax's and log_softmax's
+            input for backward besides the output (torch < 1.11, whose backward formula
+            referenced ``self``: pytorch/pytorch#64000, fixed by #65242).
         cudnn_version: runtime cuDNN version on the target (e.g. 92400); None means the
             one this torch was built with.
 
@@ -238,6 +245,7 @@ class CudaEmulation:
 
     def __init__(self, compute_capability: tuple[int, int],
                  autocast_dtype: torch.dtype | None = None, sdpa: bool = True,
+                 fused_attention: bool = True, softmax_saves_input: bool = False,
                  cudnn_version: int | None = None):
         if (not isinstance(compute_capability, tuple) or len(compute_capability) != 2
                 or not all(isinstance(v, int) and v >= 0 for v in compute_capability)):
@@ -249,6 +257,8 @@ class CudaEmulation:
         self.compute_capability = compute_capability
         self.autocast_dtype = autocast_dtype
         self.sdpa = sdpa
+        self.fused_attention = fused_attention
+        self.softmax_saves_input = softmax_saves_input
         if cudnn_version is None:
             cudnn_version = torch.backends.cudnn.version() or 0
         self.cudnn_version = cudnn_version
@@ -366,6 +376,8 @@ class CudaEmulation:
         if name == "scaled_dot_product_attention" and self.sdpa:
             return self._attention(func, args, kwargs)
         if name in ("softmax", "log_softmax"):
+            if self.softmax_saves_input and torch.is_grad_enabled() and args:
+                return _SoftmaxKeepingInput.apply(args[0], func, name, args[1:], kwargs)
             return _softmax(func, name, args, kwargs)
         if name == "rms_norm":
             return _rms_norm(func, args, kwargs)
@@ -412,6 +424,8 @@ class CudaEmulation:
                                            call["is_causal"], call["enable_gqa"])
         backend = choose_sdpa_backend(self.compute_capability, problem,
                                       cudnn_version=self.cudnn_version)
+        if not self.fused_attention:  # a stack before torch 2.0: attention is explicit
+            backend = SdpaBackend.MATH
         if backend is not SdpaBackend.MATH and problem.mask_requires_grad:
             self._note("scaled_dot_product_attention with a trainable attn_mask: "
                        "emulated with the math backend")
@@ -503,6 +517,26 @@ def _cpu_autocast_on() -> Iterator[None]:
         yield
     finally:
         torch.set_autocast_enabled("cpu", False)
+
+
+class _SoftmaxKeepingInput(torch.autograd.Function):
+    """softmax/log_softmax as torch < 1.11 differentiated them: the backward node kept the
+    input (``self``) besides the output (derivatives.yaml referenced it; #64000, #65242)."""
+
+    @staticmethod
+    def forward(ctx: Any, source: torch.Tensor, func: Callable, name: str, rest: tuple,
+                kwargs: dict) -> torch.Tensor:
+        out = _softmax(func, name, (source, *rest), kwargs)
+        ctx.save_for_backward(source, out)
+        ctx.dim = rest[0] if rest else kwargs["dim"]
+        ctx.log = name == "log_softmax"
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        source, out = ctx.saved_tensors
+        backward = torch._log_softmax_backward_data if ctx.log else torch._softmax_backward_data
+        return backward(grad, out, ctx.dim, source.dtype), None, None, None, None
 
 
 def _softmax(func: Callable, name: str, args: tuple, kwargs: dict) -> torch.Tensor:

@@ -311,7 +311,7 @@ def decomposition_for(op: Any) -> Decomposition | None:
 
 
 #: Set while library code runs that reads tensor values only as scalars that set no shape
-#: (see :meth:`batchfit.engine.trace.Tracer._shortcut`).
+#: (see :meth:`batchfit.engine.tracer.Tracer._shortcut`).
 _SCALAR_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("batchfit_scalar_reads",
                                                                     default=False)
 

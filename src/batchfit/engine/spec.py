@@ -248,9 +248,16 @@ class TrainConfig:
             (timm ``set_grad_checkpointing``, HF ``gradient_checkpointing_enable``).
         channels_last: use ``torch.channels_last`` for 4-D inputs and the model.
         loss_fn: ``loss_fn(output, batch) -> scalar``; default rules in :mod:`batchfit.engine.step`.
-        grads_to_none: ``zero_grad(set_to_none=True)`` (torch >= 2.0 default). False models
-            loops that zero gradients in place (torch < 2.0 ``zero_grad()``, HF Trainer of
-            that era): gradients then stay allocated through forward and backward.
+        grads_to_none: ``zero_grad(set_to_none=True)``. False models loops that zero
+            gradients in place (torch < 2.0 ``zero_grad()``, HF Trainer of that era):
+            gradients then stay allocated through forward and backward. None (default):
+            what ``zero_grad()`` does on the stack (True from torch 2.0).
+        stack: the torch/CUDA/cuDNN versions the step runs on: a
+            :class:`~batchfit.engine.stack.Stack`, a string like ``"torch2.4+cu124"``, or
+            None for the installed torch (see :mod:`batchfit.engine.stack`).
+        cudnn_benchmark: ``torch.backends.cudnn.benchmark = True`` in the user's script
+            (default False, as in torch): convolutions search for the fastest cuDNN
+            algorithm and keep it per shape; see :mod:`batchfit.engine.cudnn`.
         lora: a :class:`~batchfit.engine.workloads.spec.LoraSpec` (or its ``--lora`` text):
             peft LoRA adapters on the model; only they (and ``modules_to_save``) train.
         quant: a :class:`~batchfit.engine.workloads.spec.QuantSpec` (or ``"nf4"``...):
@@ -274,7 +281,9 @@ class TrainConfig:
     checkpointing: bool = False
     channels_last: bool = False
     loss_fn: Any = None
-    grads_to_none: bool = True
+    grads_to_none: bool | None = None
+    stack: Any = None
+    cudnn_benchmark: bool = False
     lora: Any = None
     quant: Any = None
     loss: Any = "standard"
@@ -285,6 +294,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         from batchfit.engine.workloads.spec import LoraSpec, LossKind, QuantSpec, parse_lora
 
+        if isinstance(self.stack, str):
+            from batchfit.engine.stack import Stack
+
+            object.__setattr__(self, "stack", Stack.parse(stack=self.stack))
         object.__setattr__(self, "mode", parse_enum(Mode, self.mode, "mode"))
         object.__setattr__(self, "precision", parse_enum(Precision, self.precision, "precision"))
         if not isinstance(self.optimizer, type):
@@ -312,6 +325,20 @@ class TrainConfig:
         if self.lora is None and self.quant is None and self.loss is LossKind.STANDARD:
             return None
         return Workload(lora=self.lora, quant=self.quant, loss=self.loss)
+
+    @property
+    def resolved_stack(self) -> Any:
+        """The :class:`~batchfit.engine.stack.Stack` (the installed one when None)."""
+        from batchfit.engine.stack import resolve_stack
+
+        return resolve_stack(self.stack)
+
+    @property
+    def zero_grad_to_none(self) -> bool:
+        """Whether ``zero_grad()`` frees the gradients: ``grads_to_none``, or the stack's."""
+        if self.grads_to_none is not None:
+            return bool(self.grads_to_none)
+        return bool(self.resolved_stack.zero_grad_sets_none)
 
 
 def make_config(config: TrainConfig | None, options: Mapping[str, Any]) -> TrainConfig:

@@ -293,7 +293,7 @@ class StepRunner:
     def zero_grad(self) -> None:
         self.on_phase("zero_grad")
         if self.engine is None:  # an engine zeroes the gradients in its step
-            self.optimizer.zero_grad(set_to_none=self.config.grads_to_none)
+            self.optimizer.zero_grad(set_to_none=self.config.zero_grad_to_none)
 
     def forward_backward(self) -> None:
         loss = self.forward_loss()

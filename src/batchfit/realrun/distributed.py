@@ -37,20 +37,8 @@ all-reduce of backward: the collectives no longer pair up, a hang (gloo reports 
 mismatch at best). The memory DDP adds, its gradient buckets, was allocated when the
 model was wrapped and counts in the state each trial starts from (CUDA, in process; a
 CPU trial rebuilds the plain module and does not hold them); the communication
-buffers of the all-reduce itself are not measured.
-
-Sharded models (FSDP2, HSDP, tensor parallel) run collectives inside forward, so their
-trials cannot run apart: each rank's trial process joins the other ranks' trial
-processes in a gloo group of that trial's own (:class:`TrialRendezvous`: rank 0 of the
-search hosts a ``TCPStore``; each trial uses a prefix of its own in it) and shards the
-model there (``search_max_batch(factory, ..., parallel=Parallelism(...))``). A trial that
-runs out of memory ends its process; the sockets of its group close and the other
-ranks' trials, waiting in a collective of forward or backward, fail at once with gloo's
-"connection closed by peer" and report "does not fit", never a wait (a stuck peer fails
-them at the group's timeout). The agreement then proceeds as above. The search's own
-process never joins a trial's group, so its collectives always pair up. An FSDP model
-itself cannot be sent to a trial process (its parameters are shards of this group):
-it is refused with how to search it.
+buffers of the all-reduce itself are not measured. Sharded models (FSDP) run
+collectives inside forward and are refused.
 
 Example:
     >>> agreement_for(None) is None  # torch.distributed not initialized here
@@ -69,8 +57,6 @@ import torch
 
 from batchfit.errors import InvalidInputError, TrialError
 
-#: How a sharded trial's error starts when another rank's trial ran out of memory first.
-PEER_STOPPED = "another rank's trial stopped"
 #: A value larger than any byte count or batch size (an absent measurement, in a minimum).
 _ABSENT = 2**62
 #: Fixed length of every reduced vector, so that any two reductions can pair up.
@@ -117,8 +103,7 @@ class AgreedTrial:
         slack_bytes: the least room any rank had left (limit - used), None if unmeasured.
         peak_bytes: the largest live peak of the ranks that fitted (None if none did).
         overhead_bytes: the largest allocator overhead of the ranks that fitted.
-        limiting_rank: the lowest rank that ran out of memory (None when it fitted); in a
-            sharded search, not a rank whose trial stopped because another rank's did.
+        limiting_rank: the lowest rank that ran out of memory (None when it fitted).
     """
 
     batch_size: int
@@ -182,8 +167,7 @@ class RankAgreement:
         try:
             trial = run()
             fits, slack, peak, overhead = measure(trial)
-            own = not fits and not str(getattr(trial, "error", "") or "").startswith(PEER_STOPPED)
-            fields = [int(fits), self.rank if own else self.world_size,
+            fields = [int(fits), self.world_size if fits else self.rank,
                       _ABSENT if slack is None or not fits else slack,
                       -(peak or 0) if fits else 0, -(overhead or 0) if fits else 0]
         except Exception as exc:  # noqa: BLE001 - every rank raises after the collective
@@ -303,98 +287,11 @@ def local_module(model: Any) -> Any:
     names = {cls.__name__ for cls in type(model).__mro__}
     if names & {"FullyShardedDataParallel", "FSDPModule"}:
         raise InvalidInputError(
-            "a sharded (FSDP) model cannot be sent to a trial process: give its unsharded "
-            "factory and the layout, search_max_batch(factory, ..., parallel="
-            "Parallelism(world_size=N, strategy='fsdp')), and each trial shards it")
+            "sharded (FSDP) models run collectives inside forward, so a rank that runs out "
+            "of memory would leave the others waiting: search the batch size with the "
+            "unsharded model on each rank's share of the memory, or without FSDP")
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
         return model.module
     return model
-
-
-@dataclass
-class TrialRendezvous:
-    """Where the trial processes of a sharded search meet (see the module docstring):
-    rank 0's ``TCPStore``, its address sent to every rank, and a fresh prefix per trial.
-
-    Attributes:
-        parallel: the layout every trial shards the model with.
-        host, port: rank 0's store.
-        rank, world_size: this rank in the search's group.
-    """
-
-    parallel: Any
-    host: str
-    port: int
-    rank: int
-    world_size: int
-    store: Any = None  # rank 0 only: the store, kept alive for the search
-    trials: int = 0
-
-    @classmethod
-    def start(cls, agreement: RankAgreement | None, parallel: Any, device: Any
-              ) -> TrialRendezvous:
-        """Check the layout against the group; rank 0 starts the store, every rank learns
-        its address (one broadcast, before any trial).
-
-        Raises:
-            InvalidInputError: no ``torch.distributed`` group, a world size other than the
-                group's, DDP or ZeRO layouts (whose trials need no group), a CUDA device.
-        """
-        import socket
-
-        import torch.distributed as dist
-
-        from batchfit.sharding.layout import Parallelism, Strategy
-
-        if not isinstance(parallel, Parallelism):
-            raise InvalidInputError(
-                f"parallel must be a batchfit.sharding.Parallelism, not {type(parallel).__name__}")
-        if agreement is None:
-            raise InvalidInputError(
-                "parallel= searches a sharded model across the ranks of torch.distributed: "
-                "run every rank (torchrun) and call torch.distributed.init_process_group first")
-        if parallel.world_size != agreement.world_size:
-            raise InvalidInputError(
-                f"parallel has world size {parallel.world_size} but the group has "
-                f"{agreement.world_size} ranks: give world_size={agreement.world_size}")
-        if parallel.strategy in (Strategy.DDP, Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3,
-                                 Strategy.FSDP1):
-            raise InvalidInputError(
-                f"parallel= is for FSDP2, HSDP and tensor-parallel models; {parallel.strategy.value} "
-                "trials are searched without it (a DDP model through its wrapped module)")
-        if str(device).startswith("cuda"):
-            raise InvalidInputError(
-                "a sharded search runs its trials in capped CPU processes: use device='cpu' "
-                "(on CUDA, batchfit.max_batch_size(parallel=...) predicts each rank)")
-        store, address = None, [None]
-        if agreement.rank == 0:
-            store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
-            address = [(_reachable_host(socket), store.port)]
-        dist.broadcast_object_list(address, src=dist.get_global_rank(agreement.group, 0),
-                                   group=agreement.group)
-        host, port = address[0]
-        return cls(parallel, host, port, agreement.rank, agreement.world_size, store)
-
-    def next_group(self, timeout_s: float | None) -> Any:
-        """The group of the next trial (every rank runs the same trials in the same order,
-        so the n-th trial's prefix is the same on every rank)."""
-        from batchfit.realrun.trial_server import TrialGroup
-
-        self.trials += 1
-        return TrialGroup(self.host, self.port, self.rank, self.world_size,
-                          prefix=f"batchfit/trial{self.trials}/",
-                          timeout_s=timeout_s if timeout_s is not None else 120.0)
-
-    def close(self) -> None:
-        self.store = None
-
-
-def _reachable_host(socket: Any) -> str:
-    """This machine's address as the other ranks reach it: its hostname's address, or
-    the loopback when that does not resolve (one machine)."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"

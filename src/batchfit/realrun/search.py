@@ -182,7 +182,7 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
                      boundary_runs: int = 3, timeout_s: float | None = None,
                      on_trial: Callable[[Trial], None] | None = None,
                      trial_server: Any = None, process_group: Any = None,
-                     parallel: Any = None, **options: Any) -> SearchResult:
+                     **options: Any) -> SearchResult:
     """Find the largest batch size that trains (or infers) on the real device.
 
     On the CPU every trial is a fresh process capped at ``memory_cap_bytes`` beyond its
@@ -195,12 +195,7 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
     the group must call this: each runs every trial on its own device, and a batch fits
     only if it fits on every rank, so all ranks return the same answer
     (:mod:`batchfit.realrun.distributed`). A ``DistributedDataParallel`` model is searched
-    through its wrapped module, without DDP's gradient all-reduce. A sharded model (FSDP2)
-    is searched from its unsharded factory and ``parallel``: each rank's trial process
-    joins the other ranks' trial processes in a gloo group of that trial's own and shards
-    the model there, so the collectives of forward and backward run between the trials;
-    a trial that runs out of memory ends its process, the others' collectives fail at
-    once (the connection closes) and they report "does not fit" (CPU only).
+    through its wrapped module, without DDP's gradient all-reduce.
 
     Args:
         model: an ``nn.Module``, a factory, a :class:`~batchfit.models.resolve.ModelSpec` or a spec
@@ -238,9 +233,6 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
             for this search and stopped after it.
         process_group: the ranks that search together (default: every rank, when
             ``torch.distributed`` is initialized); False: this rank alone.
-        parallel: a :class:`batchfit.sharding.Parallelism` (``fsdp``, ``fsdp-grad-op``,
-            ``hsdp``, ``tp``; its world size the group's): every trial shards ``model``, an
-            unsharded factory, that way across the ranks' trial processes.
 
     Raises:
         DoesNotFitError: even batch 1 does not fit (distributed: on some rank).
@@ -259,11 +251,6 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
     from batchfit.realrun.distributed import agreement_for, local_module
 
     agreement = None if process_group is False else agreement_for(process_group)
-    rendezvous = None
-    if parallel is not None:
-        from batchfit.realrun.distributed import TrialRendezvous
-
-        rendezvous = TrialRendezvous.start(agreement, parallel, device)
     with _agreed(agreement, "checking the search's arguments"):
         model = local_module(model)
         config = make_config(config, options if not _is_optimizer(optimizer) else
@@ -286,8 +273,7 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
                     snapshot.restore()
                 if target.type == "cpu":
                     search = _CpuSearch(model, inputs, config, memory_cap_bytes,
-                                        steps_per_trial, reproducible, timeout_s, trial_server,
-                                        rendezvous)
+                                        steps_per_trial, reproducible, timeout_s, trial_server)
                 else:
                     search = _CudaSearch(model, inputs, config, target, memory_cap_bytes,
                                          steps_per_trial, optimizer, snapshot)
@@ -299,8 +285,6 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
         finally:
             if search is not None:
                 search.close()
-            if rendezvous is not None:
-                rendezvous.close()
 
 
 def _agreed(agreement: Any, what: str) -> contextlib.AbstractContextManager[None]:
@@ -553,9 +537,8 @@ class _CpuSearch(_Search):
 
     def __init__(self, model: Any, inputs: Any, config: TrainConfig, cap_bytes: int | None,
                  steps: int, reproducible: bool, timeout_s: float | None,
-                 server: Any = None, rendezvous: Any = None):
+                 server: Any = None):
         import os
-        from dataclasses import replace
 
         from batchfit.realrun.trial_server import (
             TrialServer,
@@ -583,9 +566,6 @@ class _CpuSearch(_Search):
             self.config = replace(config, loss_fn=loss_fn)
         self.request = trial_request(self.source, self.inputs, 1, self.config, self.cap_bytes,
                                      steps)
-        self.rendezvous = rendezvous
-        if rendezvous is not None:  # every trial shards the model in a group of its own
-            self.request = replace(self.request, parallel=rendezvous.parallel)
         self.owns_server = server is None
         if server is None:
             environment = dict(os.environ)
@@ -621,12 +601,9 @@ class _CpuSearch(_Search):
         the line is solved for the cap. Below 32 the peak need not be affine (it can sit
         in the optimizer step), so there :func:`batchfit.max_batch_size` solves exactly."""
         from batchfit.answers.estimate import estimate
-        from batchfit.engine.trace import Category, TraceReuse
+        from batchfit.engine.trace import TraceReuse
+        from batchfit.engine.tracer import Category
 
-        if self.rendezvous is not None:
-            # the trials find the boundary from batch 1 up; the per-rank prediction is
-            # batchfit.max_batch_size(parallel=...) on the GPU the ranks will use
-            return _Prediction(None)
         small, large = _LINE_BATCHES
         reuse = TraceReuse()
         try:
@@ -666,10 +643,8 @@ class _CpuSearch(_Search):
     def trial(self, batch_size: int) -> Trial:
         from dataclasses import replace
 
-        request = replace(self.request, batch_size=batch_size)
-        if self.rendezvous is not None:
-            request = replace(request, group=self.rendezvous.next_group(self.timeout_s))
-        return self.server.run(request, timeout_s=self.timeout_s)
+        return self.server.run(replace(self.request, batch_size=batch_size),
+                               timeout_s=self.timeout_s)
 
 
 class _InProcessSearch(_Search):

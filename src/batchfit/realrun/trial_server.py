@@ -91,28 +91,8 @@ from batchfit.realrun.trial import (
 
 
 @dataclass(frozen=True)
-class TrialGroup:
-    """Where the ranks' processes of one sharded trial meet: the search's rank 0 hosts a
-    ``TCPStore`` at ``host:port`` (:class:`batchfit.realrun.distributed.TrialRendezvous`);
-    each trial uses a prefix of its own in it."""
-
-    host: str
-    port: int
-    rank: int
-    world_size: int
-    prefix: str
-    timeout_s: float = 120.0
-
-
-@dataclass(frozen=True)
 class TrialRequest:
-    """What a child process needs to run one capped trial (pickled to it).
-
-    ``parallel`` (a :class:`batchfit.sharding.Parallelism`) and ``group``: a sharded
-    trial, whose child joins the other ranks' children in a gloo group of its own,
-    then builds, shards and warms the model up (a template cannot: the group is the
-    trial's).
-    """
+    """What a child process needs to run one capped trial (pickled to it)."""
 
     model: Any  # a picklable factory, an nn.Module, or an importable "module:function"
     inputs: Any
@@ -121,8 +101,6 @@ class TrialRequest:
     cap_bytes: int | None
     steps: int
     num_threads: int
-    parallel: Any = None
-    group: TrialGroup | None = None
 
     def preparation(self) -> bytes:
         """The request without its batch size, pickled: what a child can do in advance.
@@ -640,17 +618,6 @@ def _packed_exception(exc: BaseException) -> tuple[BaseException, str]:
     return clone, text
 
 
-#: What gloo raises when a peer of the group has gone (its process exited) or stopped
-#: answering: its connection closes, or the collective times out.
-_PEER_STOPPED = ("connection closed by peer", "connection reset by peer", "broken pipe",
-                 "timed out", "timeout")
-
-
-def _peer_stopped(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(words in text for words in _PEER_STOPPED)
-
-
 def factory_of(source: Any) -> Any:
     """A module or a callable for an importable ``"module:function"`` string or a factory."""
     if isinstance(source, str):
@@ -692,13 +659,7 @@ class _PreparedTrial:
         torch.set_num_threads(request.num_threads)  # a template: 1 (see _template_main)
         torch.manual_seed(0)
         setup = _StepSetup.of(request.inputs, request.config, torch.device("cpu"))
-        if request.parallel is not None:  # built in the trial, once its group exists
-            return cls(request, setup, None, torch.Generator().manual_seed(0))  # type: ignore[arg-type]
-        return cls._built(request, setup, setup.prepare(_build_from_source(request.model, setup)))
-
-    @classmethod
-    def _built(cls, request: TrialRequest, setup: _StepSetup, model: nn.Module
-               ) -> _PreparedTrial:
+        model = setup.prepare(_build_from_source(request.model, setup))
         generator = torch.Generator().manual_seed(0)
         runner = setup.runner(model, None, generator)
         _warm_up(runner, setup, generator)
@@ -707,33 +668,8 @@ class _PreparedTrial:
         gc.collect()
         return cls(request, setup, runner, generator)
 
-    def _join_and_shard(self) -> None:
-        """A sharded trial: join the trial's group, then build, shard and warm up."""
-        import datetime
-
-        import torch.distributed as dist
-
-        from batchfit.sharding.layout import Strategy
-        from batchfit.sharding.transforms import shard_model
-        from batchfit.sharding.world import meshes
-
-        group, layout = self.request.group, self.request.parallel
-        timeout = datetime.timedelta(seconds=group.timeout_s)
-        store = dist.PrefixStore(group.prefix, dist.TCPStore(
-            group.host, group.port, is_master=False, timeout=timeout))
-        dist.init_process_group("gloo", store=store, rank=group.rank,
-                                world_size=group.world_size, timeout=timeout)
-        replicas = layout.nodes if layout.strategy is Strategy.HSDP else 1
-        world = meshes(group.world_size, group.rank, replicas=replicas, tp=layout.tp)
-        model = self.setup.prepare(_build_from_source(self.request.model, self.setup))
-        model = shard_model(model, layout, world, self.request.config.precision)
-        built = self._built(self.request, self.setup, model)
-        self.runner, self.generator = built.runner, built.generator
-
     def run(self, batch_size: int, on_capped: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         """Cap the data segment, run the steps at ``batch_size``, measure them."""
-        if self.runner is None:
-            self._join_and_shard()
         cap = self.request.cap_bytes
         tracker = _UsageTracker(sample_data_segment=True)
         for tensor in _state_tensors(self.runner):
@@ -755,16 +691,9 @@ class _PreparedTrial:
                                               self.request.steps, self.generator, tracker)
             result["used_bytes"] = tracker.data_peak - segment_start
         except Exception as exc:
-            if is_out_of_memory(exc):
-                result.update(fits=False, error=_one_line(exc))
-            elif self.request.group is not None and _peer_stopped(exc):
-                # another rank's child ran out of memory and left the group: not an error
-                # of this rank, and never a wait (see batchfit.realrun.distributed)
-                from batchfit.realrun.distributed import PEER_STOPPED
-
-                result.update(fits=False, error=f"{PEER_STOPPED}: {_one_line(exc)}")
-            else:
+            if not is_out_of_memory(exc):
                 raise
+            result.update(fits=False, error=_one_line(exc))
             release_exception(exc)
         result["seconds"] = time.perf_counter() - start
         return result

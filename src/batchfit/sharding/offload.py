@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from batchfit.engine.trace import Category, Event, EventKind, Phase, StepTrace
+from batchfit.engine.trace import StepTrace
+from batchfit.engine.tracer import Category, Event, EventKind, Phase
 
 #: The H2D copy of a unit's shards (FSDP2 ``CPUOffloadPolicy``), as its events name it.
 COPY_TO_DEVICE = "cpu_offload.copy_to_device"

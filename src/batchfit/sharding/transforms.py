@@ -44,7 +44,7 @@ from torch import nn
 from batchfit.engine import _torch_internals as ti
 from batchfit.engine.fake import enable_checkpointing, meta_copy, swap_to_fake
 from batchfit.engine.spec import Precision
-from batchfit.engine.trace import Category, Tracer
+from batchfit.engine.tracer import Category, Tracer
 from batchfit.sharding.layout import Offload, Parallelism, Strategy
 from batchfit.sharding.world import World, fake_world
 from batchfit.sharding.wrap import sharded_units
@@ -341,7 +341,7 @@ class FSDP2Transform(_Transform):
     def finish(self, trace: Any) -> Any:
         if self.layout.offload is not Offload.PARAMS:
             return trace
-        from batchfit.engine.trace import Phase
+        from batchfit.engine.tracer import Phase
         from batchfit.sharding.offload import on_device
 
         return on_device(trace, categories=(Category.PARAMETERS, Category.OPTIMIZER_STATE),

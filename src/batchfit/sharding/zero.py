@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from batchfit.engine.spec import Precision
-from batchfit.engine.trace import Category, Tracer
+from batchfit.engine.tracer import Category, Tracer
 from batchfit.sharding.layout import Offload, Parallelism
 
 
@@ -210,7 +210,7 @@ class ZeroTransform:
 
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
               float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
-        from batchfit.engine.trace import Phase
+        from batchfit.engine.tracer import Phase
         from batchfit.sharding.transforms import _fake_twin
 
         self.tracer = tracer
@@ -244,7 +244,7 @@ class ZeroTransform:
     def finish(self, trace: Any) -> Any:
         if self.layout.offload is Offload.NONE:
             return trace
-        from batchfit.engine.trace import Phase
+        from batchfit.engine.tracer import Phase
         from batchfit.sharding.offload import on_device
 
         categories = [Category.OPTIMIZER_STATE]

@@ -151,7 +151,7 @@ def _gemm_shapes(packet: Any, args: tuple, out: Any) -> tuple[GemmShape, ...]:
 def _scalar_placeholder(func: Any, args: tuple) -> Any:
     """``.item()`` of a value a fake tensor does not know gets 1 (Keras's optimizers pass
     the learning rate tensor as a scalar ``alpha``; it sets no shape, so no cost), as the
-    memory trace's optimizer phase does (:meth:`batchfit.engine.trace.Tracer._shortcut`)."""
+    memory trace's optimizer phase does (:meth:`batchfit.engine.tracer.Tracer._shortcut`)."""
     import torch
 
     from batchfit.engine import _torch_internals as ti
@@ -331,10 +331,10 @@ def _keras_op_costs(base: Any, is_users: bool, inputs: Any, batch_size: int, con
 
     from batchfit.engine import _torch_internals as ti
     from batchfit.engine import keras_step
+    from batchfit.engine.keras_trace import prepared_keras
     from batchfit.engine.spec import Mode
-    from batchfit.engine.trace import _prepared_keras
 
-    meta, spec, targets = _prepared_keras(base, is_users, inputs, config, None)
+    meta, spec, targets = prepared_keras(base, is_users, inputs, config, None)
     fake_mode = ti.new_fake_mode()
     emulation: Any = contextlib.nullcontext()
     if profile.is_cuda:

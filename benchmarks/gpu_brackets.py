@@ -1,0 +1,489 @@
+"""``batchfit max --gpu`` against real out-of-memory brackets measured on real GPUs.
+
+The data (``/work/shared/data/gpu_brackets/``, see its README) are timm's own
+``benchmark.py`` runs: for each model, the largest batch that ran (``batch_fit``) and
+the next size of its decay sequence, which failed (``batch_failed``). Every row is
+predicted here as a user would ask for it, with that run's settings through
+batchfit's public API (``batchfit.max_batch_size``):
+
+* the card from the catalog (the RTX PRO 6000 Blackwell Max-Q, until the catalog has
+  it, as ``DeviceProfile.cuda(97,887 MiB, sm_120)``, what nvidia-smi reports for it);
+* ``timm.create_model(name)`` with the script's arguments (``drop_rate=0``, no drop
+  path), input ``(3, img_size, img_size)``, ``channels_last`` for nhwc rows;
+* train rows: SGD with Nesterov momentum (timm's ``sgd``), fp16 autocast, and timm 0.6's
+  explicit attention (``q @ k.T``, softmax: no ``F.scaled_dot_product_attention``);
+  inference rows: ``eval()``, fp16 autocast, timm 1.0's fused attention;
+* where this batchfit has them, the run's stack (torch and CUDA versions) and
+  ``cudnn.benchmark=True``; older code gets what it has, and the row says what was set;
+* ``max_batch_limit`` = the size the run started at (a row at the start size has no
+  upper bound, so the data leave it out; an answer there is above every bracket).
+
+A prediction is *in* the bracket when ``batch_fit <= B* < batch_failed``, *over* when
+``B* >= batch_failed`` (the user crashes), *under* when ``B* < batch_fit``. The error is
+``|log2(B* / sqrt(batch_fit * batch_failed))|``, against the bracket's geometric middle.
+``nonmemory_dev.csv`` rows (failures that are probably a kernel limit, not memory) are
+scored the same, and counted as *explained* when in the bracket with a binding
+constraint other than memory.
+
+Each row runs in a forked child with a time limit; results are cached per row in
+``benchmarks/results/gpu_brackets/<tag>.jsonl`` (``--tag``, default the git commit), so
+an interrupted run resumes where it stopped. ``--sample N`` takes N rows spread evenly
+over the source files (the same rows every time).
+
+Usage:
+    nice -n 10 python benchmarks/gpu_brackets.py [--set T|I] [--sample N] [--gpu NAME]
+        [--jobs 2] [--files memory,nonmemory] [--models REGEX] [--tag NAME] [--timeout S]
+    python benchmarks/gpu_brackets.py --report TAG [--compare TAG]
+
+Writes ``benchmarks/results/gpu_brackets/<tag>.jsonl`` (rows) and ``<tag>.md`` (tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import dataclasses
+import json
+import math
+import os
+import pickle
+import re
+import select
+import signal
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "gpu_brackets"
+DATA = Path(os.environ.get("GPU_BRACKETS_DATA", "/work/shared/data/gpu_brackets"))
+MiB = 1 << 20
+PRO6000_MAXQ = "RTX PRO 6000 Blackwell Max-Q"
+#: What nvidia-smi reports for the Max-Q card (the data README), and its architecture.
+PRO6000_MAXQ_BYTES = 97_887 * MiB
+PRO6000_MAXQ_CC = (12, 0)
+PRO6000_MAXQ_SMS = 188
+#: Where benchmark.py starts each file's decay sequence (the data README).
+START_SIZE = {("T", "nchw"): 512, ("T", "nhwc"): 512, ("I", "nhwc"): 512}
+#: CUDA version of each torch build the rows ran (the data README).
+CUDA_OF_SOURCE = (("cu113", "11.3"), ("cu124", "12.4"), ("cu128", "12.8"), ("cu130", "13.0"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    file: str  # memory or nonmemory
+    index: int  # line in its file, from 0
+    set: str  # noqa: A003 - the data's column name
+    model: str
+    img_size: int
+    gpu: str
+    torch: str
+    layout: str
+    batch_fit: int
+    batch_failed: int
+    source_file: str
+    evidence: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.file}:{self.index}:{self.model}:{self.gpu}:{self.torch}:{self.layout}"
+
+    @property
+    def cuda(self) -> str:
+        for tag, version in CUDA_OF_SOURCE:
+            if tag in self.source_file:
+                return version
+        raise ValueError(f"no CUDA version in {self.source_file}")
+
+    @property
+    def start_size(self) -> int:
+        if (self.set, self.layout) in START_SIZE:
+            return START_SIZE[(self.set, self.layout)]
+        return 2048 if self.gpu == PRO6000_MAXQ else 1024
+
+    @property
+    def family(self) -> str:
+        return model_family(self.model)
+
+
+def model_family(name: str) -> str:
+    """``convnext_large`` -> ``convnext``, ``tf_efficientnet_b3`` -> ``efficientnet``,
+    ``resnet50d`` -> ``resnet``: the architecture, not its size or variant."""
+    words = [w for w in name.split("_") if w not in ("tf", "gluon", "legacy", "ig", "ssl", "swsl")]
+    head = words[0] if words else name
+    return re.sub(r"[0-9].*$", "", head) or head
+
+
+def read_rows(files: Iterable[str]) -> list[Row]:
+    rows = []
+    for file in files:
+        path = DATA / f"{file}_dev.csv"
+        with path.open(newline="") as handle:
+            for index, raw in enumerate(csv.DictReader(handle)):
+                rows.append(Row(
+                    file=file, index=index, set=raw["set"], model=raw["model"],
+                    img_size=int(raw["img_size"]), gpu=raw["gpu"], torch=raw["torch"],
+                    layout=raw["layout"], batch_fit=int(raw["batch_fit"]),
+                    batch_failed=int(raw["batch_failed"]), source_file=raw["source_file"],
+                    evidence=raw.get("evidence", "")))
+    return rows
+
+
+def stratified_sample(rows: list[Row], n: int) -> list[Row]:
+    """``n`` rows spread evenly over the source files: every k-th row of each file."""
+    by_source: dict[tuple[str, str], list[Row]] = collections.defaultdict(list)
+    for row in rows:
+        by_source[(row.file, row.source_file)].append(row)
+    groups = sorted(by_source.values(), key=lambda g: (g[0].file, g[0].source_file))
+    per_group = [n * len(g) // len(rows) for g in groups]
+    for i in range(n - sum(per_group)):  # remainders, largest groups first
+        per_group[sorted(range(len(groups)), key=lambda j: -len(groups[j]))[i % len(groups)]] += 1
+    chosen = []
+    for group, take in zip(groups, per_group):
+        if take:
+            step = len(group) / take
+            chosen += [group[int(i * step)] for i in range(take)]
+    return chosen
+
+
+# ------------------------------------------------------------------------- one row
+
+
+def build_timm(name: str, fused_attn: bool) -> Any:
+    """``timm.create_model`` as benchmark.py calls it; ``fused_attn=False`` gives timm
+    0.6's explicit attention (the train rows), True timm 1.0's default."""
+    import timm
+    from timm.layers import config as timm_layer_config
+
+    saved = timm_layer_config._USE_FUSED_ATTN
+    timm.layers.set_fused_attn(fused_attn)
+    try:
+        return timm.create_model(name, pretrained=False, drop_rate=0.0,
+                                 drop_path_rate=None, drop_block_rate=None)
+    finally:
+        timm_layer_config._USE_FUSED_ATTN = saved
+
+
+def device_for(row: Row) -> Any:
+    import batchfit
+    from batchfit.errors import InvalidInputError
+
+    try:
+        from batchfit.device import resolve_device
+    except ImportError:  # the layout of issue 12
+        from batchfit.device.profile import resolve_device  # type: ignore[no-redef]
+    try:
+        return resolve_device(row.gpu)
+    except InvalidInputError:
+        if row.gpu != PRO6000_MAXQ:
+            raise
+        return batchfit.DeviceProfile.cuda(PRO6000_MAXQ_BYTES, PRO6000_MAXQ_CC,
+                                           name=f"NVIDIA {PRO6000_MAXQ}",
+                                           sm_count=PRO6000_MAXQ_SMS)
+
+
+def row_settings(row: Row) -> dict[str, Any]:
+    """The run's settings as TrainConfig fields, limited to the ones this batchfit has."""
+    import batchfit
+
+    fields = {f.name for f in dataclasses.fields(batchfit.TrainConfig)}
+    train = row.set == "T"
+    settings: dict[str, Any] = {
+        "mode": "train" if train else "infer",
+        "optimizer": "nesterov",
+        "optimizer_kwargs": {"lr": 1e-4, "momentum": 0.9, "nesterov": True},
+        "precision": "amp-fp16",
+        "channels_last": row.layout == "nhwc",
+    }
+    if "stack" in fields:  # torch/CUDA versions decide zero_grad, context, attention...
+        settings["stack"] = f"torch{row.torch}+cu{row.cuda}"
+    elif train and "grads_to_none" in fields:
+        settings["grads_to_none"] = False  # torch 1.x zero_grad() keeps gradients
+    if "cudnn_benchmark" in fields:
+        settings["cudnn_benchmark"] = True
+    if "inference_mode" in fields and not train:
+        settings["inference_mode"] = row.torch.startswith("2.9")
+    return settings
+
+
+def predict_row(row: Row) -> dict[str, Any]:
+    """``batchfit.max_batch_size`` for one row, in this process."""
+    import functools
+
+    import batchfit
+
+    settings = row_settings(row)
+    config = batchfit.TrainConfig(**settings)
+    factory = functools.partial(build_timm, row.model, row.set != "T")
+    device = device_for(row)
+    start = time.perf_counter()
+    result = batchfit.max_batch_size(factory, (3, row.img_size, row.img_size), config,
+                                     device=device, max_batch_limit=row.start_size)
+    est = result.estimate_at_max
+    return {
+        "predicted": result.max_batch_size,
+        "binding_constraint": result.binding_constraint.value,
+        "note": result.note,
+        "traces": result.traces,
+        "seconds": round(time.perf_counter() - start, 1),
+        "budget_bytes": result.budget_bytes,
+        "memory_bytes": result.memory_bytes,
+        "context_bytes": result.device.context_bytes,
+        "workspace_bytes": result.device.workspace_bytes,
+        "total_bytes_at_max": result.total_bytes_at_max,
+        "by_category": {c.value: b for c, b in est.by_category.items()},
+        "peak_phase": est.peak_phase.value,
+        "peak_op": est.peak_op,
+        "evaluated": [list(p) for p in result.evaluated],
+        "settings": {k: v for k, v in settings.items() if k != "optimizer_kwargs"},
+    }
+
+
+def run_in_child(row: Row, timeout_s: float) -> dict[str, Any]:
+    """``predict_row`` in a forked child (own memory, killed after ``timeout_s``)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read_fd)
+        os.setpgid(0, 0)  # its own group, so a timeout also stops its trace worker
+        try:
+            try:
+                payload: dict[str, Any] = predict_row(row)
+            except Exception as exc:  # noqa: BLE001 - recorded with the row
+                payload = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+            data = pickle.dumps(payload)
+            with os.fdopen(write_fd, "wb") as out:
+                out.write(data)
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    chunks = []
+    deadline = time.monotonic() + timeout_s
+    with os.fdopen(read_fd, "rb") as inp:
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([inp], [], [], max(0.0, left))
+            if not ready:
+                _kill_group(pid)
+                os.waitpid(pid, 0)
+                return {"error": f"timeout after {timeout_s:.0f} s"}
+            chunk = os.read(inp.fileno(), 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    if not chunks:
+        return {"error": f"child died (status {status})"}
+    return pickle.loads(b"".join(chunks))
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the group this child created: it and its worker
+    except ProcessLookupError:
+        pass
+
+
+# ------------------------------------------------------------------------- scoring
+
+
+def outcome(row: dict[str, Any]) -> str:
+    predicted = row.get("predicted")
+    if predicted is None:
+        return "error"
+    if predicted >= row["batch_failed"]:
+        return "over"
+    if predicted < row["batch_fit"]:
+        return "under"
+    return "in"
+
+
+def log2_error(row: dict[str, Any]) -> float | None:
+    predicted = row.get("predicted")
+    if not predicted:
+        return None
+    return abs(math.log2(predicted / math.sqrt(row["batch_fit"] * row["batch_failed"])))
+
+
+def score(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    counts = collections.Counter(outcome(r) for r in rows)
+    scored = sum(counts[k] for k in ("in", "over", "under"))
+    errors = [e for e in (log2_error(r) for r in rows) if e is not None]
+    pct = (lambda k: round(100.0 * counts[k] / scored, 1)) if scored else (lambda k: None)
+    return {"rows": len(rows), "in_pct": pct("in"), "over_pct": pct("over"),
+            "under_pct": pct("under"), "errors": counts["error"],
+            "median_abs_log2": round(statistics.median(errors), 3) if errors else None,
+            "nonmemory_explained": sum(1 for r in rows if outcome(r) == "in"
+                                       and r.get("binding_constraint") not in (None, "memory"))}
+
+
+def _table(title: str, groups: dict[str, list[dict[str, Any]]]) -> list[str]:
+    lines = [f"### {title}", "",
+             "| group | rows | in | over | under | errors | median abs log2 | in w/ non-memory limit |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, rows in sorted(groups.items()):
+        s = score(rows)
+        lines.append(f"| {name} | {s['rows']} | {s['in_pct']}% | {s['over_pct']}% | "
+                     f"{s['under_pct']}% | {s['errors']} | {s['median_abs_log2']} | "
+                     f"{s['nonmemory_explained']} |")
+    return lines + [""]
+
+
+def report(rows: list[dict[str, Any]], tag: str) -> str:
+    def by(key: Any, subset: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+        groups: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+        for r in subset:
+            groups[key(r)].append(r)
+        return groups
+
+    memory = [r for r in rows if r["file"] == "memory"]
+    nonmemory = [r for r in rows if r["file"] == "nonmemory"]
+    lines = [f"## gpu_brackets: {tag}", ""]
+    lines += _table("memory_dev.csv by set (T train, I inference)",
+                    by(lambda r: r["set"], memory))
+    lines += _table("memory_dev.csv by source (set, GPU, torch, layout)",
+                    by(lambda r: f"{r['set']} {r['gpu']} {r['torch']} {r['layout']}", memory))
+    lines += _table("memory_dev.csv by model family (both sets)",
+                    by(lambda r: f"{r['set']} {model_family(r['model'])}", memory))
+    lines += _table("memory_dev.csv by binding constraint",
+                    by(lambda r: f"{r['set']} {r.get('binding_constraint')}", memory))
+    if nonmemory:
+        lines += _table("nonmemory_dev.csv by source",
+                        by(lambda r: f"{r['gpu']} {r['torch']} {r['layout']}", nonmemory))
+    errors = [r for r in rows if outcome(r) == "error"]
+    if errors:
+        lines += ["### errors", ""] + [f"- {r['model']} ({r['set']}, {r['gpu']}): {r['error']}"
+                                       for r in errors] + [""]
+    return "\n".join(lines)
+
+
+def compare(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
+    """Per set, the rows both runs have: before vs after."""
+    keys = {r["key"] for r in before} & {r["key"] for r in after}
+    lines = ["| set | rows | in (before -> after) | over | under | median abs log2 |",
+             "|---|---|---|---|---|---|"]
+    for file, name in (("memory", "T"), ("memory", "I"), ("nonmemory", "I")):
+        b = [r for r in before if r["key"] in keys and r["file"] == file and r["set"] == name]
+        a = [r for r in after if r["key"] in keys and r["file"] == file and r["set"] == name]
+        if not a:
+            continue
+        sb, sa = score(b), score(a)
+        lines.append(f"| {file} {name} | {len(a)} | {sb['in_pct']}% -> {sa['in_pct']}% | "
+                     f"{sb['over_pct']}% -> {sa['over_pct']}% | "
+                     f"{sb['under_pct']}% -> {sa['under_pct']}% | "
+                     f"{sb['median_abs_log2']} -> {sa['median_abs_log2']} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------- driver
+
+
+def load_cache(path: Path) -> dict[str, dict[str, Any]]:
+    cached: dict[str, dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                cached[record["key"]] = record
+    return cached
+
+
+def default_tag() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
+                              capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "../src"], cwd=HERE,
+                               text=True, capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unversioned"
+    return f"{head}-dirty" if dirty else head
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--set", choices=("T", "I"), help="train (T) or inference (I) rows only")
+    parser.add_argument("--sample", type=int, help="N rows spread over the source files")
+    parser.add_argument("--gpu", help="rows of this GPU only (as in the data, e.g. 'RTX 4090')")
+    parser.add_argument("--models", help="rows whose model matches this regex")
+    parser.add_argument("--files", default="memory,nonmemory", help="memory,nonmemory")
+    parser.add_argument("--jobs", type=int, default=1, help="rows predicted at once")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per row")
+    parser.add_argument("--tag", help="name of this run's cache and report (default: git HEAD)")
+    parser.add_argument("--report", metavar="TAG", help="only print the report of a cached run")
+    parser.add_argument("--compare", metavar="TAG", help="before/after table against this run")
+    parser.add_argument("--retry-errors", action="store_true", help="predict errored rows again")
+    args = parser.parse_args(argv)
+
+    tag = args.report or args.tag or default_tag()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    cache_path = RESULTS / f"{tag}.jsonl"
+    cached = load_cache(cache_path)
+    rows = read_rows(f.strip() for f in args.files.split(",") if f.strip())
+    if args.set:
+        rows = [r for r in rows if r.set == args.set]
+    if args.gpu:
+        rows = [r for r in rows if r.gpu.lower() == args.gpu.lower()]
+    if args.models:
+        rows = [r for r in rows if re.search(args.models, r.model)]
+    if args.sample:
+        rows = stratified_sample(rows, min(args.sample, len(rows)))
+    if not args.report:
+        todo = [r for r in rows if r.key not in cached
+                or (args.retry_errors and "error" in cached[r.key])]
+        _predict_all(todo, cached, cache_path, args.jobs, args.timeout)
+    results = [cached[r.key] for r in rows if r.key in cached]
+    text = report(results, tag)
+    if args.compare:
+        before = list(load_cache(RESULTS / f"{args.compare}.jsonl").values())
+        text += f"\n### before ({args.compare}) -> after ({tag}), rows in both\n\n"
+        text += compare(before, results) + "\n"
+    (RESULTS / f"{tag}.md").write_text(text + "\n")
+    print(text)
+
+
+def _predict_all(todo: list[Row], cached: dict[str, dict[str, Any]], cache_path: Path,
+                 jobs: int, timeout_s: float) -> None:
+    if not todo:
+        return
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    if jobs > 1:  # each row already uses the second core for paired traces when idle
+        os.environ["BATCHFIT_PARALLEL_TRACES"] = "0"
+    import batchfit  # noqa: F401 - imported once here, inherited by every forked row
+    import timm  # noqa: F401
+    import torch  # noqa: F401
+
+    running: dict[int, tuple[Row, Any]] = {}
+    queue = list(todo)
+    done = 0
+    start = time.perf_counter()
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, cache_path.open("a") as out:
+        futures = {pool.submit(run_in_child, row, timeout_s): row for row in queue}
+        from concurrent.futures import as_completed
+
+        for future in as_completed(futures):
+            row = futures[future]
+            payload = future.result()
+            record = {"key": row.key, **dataclasses.asdict(row), **payload}
+            cached[row.key] = record
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            done += 1
+            mark = outcome(record)
+            print(f"[{done}/{len(todo)} {time.perf_counter() - start:.0f}s] {row.set} "
+                  f"{row.model} {row.gpu} {row.torch} {row.layout}: predicted "
+                  f"{record.get('predicted')} bracket [{row.batch_fit}, {row.batch_failed}) "
+                  f"{mark} {record.get('binding_constraint', record.get('error', ''))} "
+                  f"({record.get('seconds', '-')} s)", flush=True)
+    del running
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""The software stack the user's step runs on: torch, CUDA and cuDNN versions.
+
+A GPU's answer depends on more than the card. The same model, batch and card use
+different memory under torch 1.12 + CUDA 11.3 and under torch 2.9 + CUDA 12.8, for
+reasons each written in a source:
+
+* **The CUDA context.** Before CUDA 11.7 the driver loads every kernel of every loaded
+  library into device memory when the context is created (eager module loading);
+  CUDA 11.7 added lazy loading (``CUDA_MODULE_LOADING=LAZY``, CUDA 11.7 release notes),
+  torch 1.13 turns it on when the user has not set it (pytorch/pytorch#86509, which
+  measured 287 MB lazy against 667 MB eager for torch's own kernels), and CUDA 12.2
+  makes it the driver's default on Linux. Measured: 1,343 MB on a V100 with torch 1.10
+  (Hugging Face, "Model training anatomy"), ~300-430 MB lazy (pytorch/pytorch#107667,
+  #109888). :meth:`Stack.context_bytes`.
+* **``optimizer.zero_grad()``** sets gradients to None from torch 2.0 (``set_to_none``
+  default True, torch 2.0 release notes); before, it zeroes them in place, so last
+  step's gradients stay allocated through the next forward and backward.
+  :attr:`Stack.zero_grad_sets_none`.
+* **Optimizer implementation.** From torch 2.0 optimizers default to the multi-tensor
+  (``foreach``) implementation on CUDA (``_default_to_fused_or_foreach`` in
+  torch/optim/optimizer.py), whose whole-group temporaries count; before, the for-loop.
+  :attr:`Stack.foreach_default`.
+* **Fused attention.** ``F.scaled_dot_product_attention`` exists from torch 2.0; before,
+  attention is computed explicitly (what the math backend does). :attr:`Stack.has_sdpa`.
+* **Softmax's saved input.** Before torch 1.11 the backward formulas of softmax and
+  log_softmax referenced ``self``, so autograd kept the input alive beside the output
+  (pytorch/pytorch#64000, fixed by #65242): an extra attention-matrix-sized tensor per
+  attention layer in training. :attr:`Stack.softmax_saves_input`.
+* **cuDNN's version** decides which convolution kernels a depthwise convolution reaches
+  (:mod:`batchfit.engine.limits`) and whether cuDNN attention is available.
+
+What does *not* change memory: ``torch.inference_mode()`` against ``torch.no_grad()``.
+Both run forward without saving anything for backward; inference mode also skips
+version counters and view tracking (host-side bookkeeping, torch docs "Inference
+Mode"). The autocast weight cache keys on ``requires_grad`` of the parameter, which is
+True under both (``cached_cast`` in aten/src/ATen/autocast_mode.cpp), so both keep the
+low-precision weight copies for the autocast region.
+
+Versions are parsed from what users type (``2.4``, ``2.4.0+cu124``, ``12.4``, ``cu124``,
+``torch2.4+cu124``). The default is the installed torch and the CUDA it was built for,
+read from its package metadata without importing torch.
+
+Example:
+    >>> from batchfit.engine.stack import Stack
+    >>> old = Stack.parse(torch_version="1.12", cuda_version="11.3")
+    >>> old.lazy_module_loading, old.zero_grad_sets_none, old.context_bytes() // 2**20
+    (False, False, 1343)
+    >>> Stack.parse(stack="torch2.9.1+cu128").cudnn_version
+    91002
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import metadata
+
+from batchfit.errors import InvalidInputError
+
+MiB = 1 << 20
+
+#: CUDA context with lazy module loading: the default DeviceProfile context (torch's
+#: kernels measured at 287 MB lazily loaded, pytorch/pytorch#86509; ~300-430 MB after a
+#: few ops, #107667, #109888; the kernels a step uses load on top).
+LAZY_CONTEXT_BYTES = 512 * MiB
+#: CUDA context without lazy loading: 1,343 MB measured by nvidia-smi on a V100 with
+#: torch 1.10 after the first CUDA tensor (Hugging Face transformers docs, "Model
+#: training anatomy"). nvidia-smi's "MB" are MiB.
+EAGER_CONTEXT_BYTES = 1343 * MiB
+
+#: torch releases: the CUDA versions of their official wheels and the cuDNN those wheels
+#: ship (``torch.backends.cudnn.version()``; from 2.1 the ``nvidia-cudnn-cu1x`` pin of the
+#: wheel). Sources: the PyTorch release compatibility matrix (RELEASE.md) and the wheels'
+#: metadata. A (torch, CUDA) pair not in the table keeps the torch's nearest cuDNN.
+_RELEASES: dict[tuple[int, int], dict[tuple[int, int], int]] = {
+    (1, 8): {(10, 2): 7605, (11, 1): 8005},
+    (1, 9): {(10, 2): 7605, (11, 1): 8005},
+    (1, 10): {(10, 2): 7605, (11, 1): 8005, (11, 3): 8200},
+    (1, 11): {(10, 2): 7605, (11, 3): 8200, (11, 5): 8302},
+    (1, 12): {(10, 2): 7605, (11, 3): 8302, (11, 6): 8302},
+    (1, 13): {(11, 6): 8500, (11, 7): 8500},
+    (2, 0): {(11, 7): 8500, (11, 8): 8700},
+    (2, 1): {(11, 8): 8700, (12, 1): 8902},
+    (2, 2): {(11, 8): 8700, (12, 1): 8902},
+    (2, 3): {(11, 8): 8700, (12, 1): 8902},
+    (2, 4): {(11, 8): 90100, (12, 1): 90100, (12, 4): 90100},
+    (2, 5): {(11, 8): 90100, (12, 1): 90100, (12, 4): 90100},
+    (2, 6): {(11, 8): 90100, (12, 4): 90100, (12, 6): 90501},
+    (2, 7): {(11, 8): 90100, (12, 6): 90501, (12, 8): 90701},
+    (2, 8): {(12, 6): 91002, (12, 8): 91002, (12, 9): 91002},
+    (2, 9): {(12, 6): 91002, (12, 8): 91002, (13, 0): 91300},
+}
+#: CUDA toolkit versions torch has been built with (major, minor).
+_CUDA_VERSIONS = frozenset({(10, 2), (11, 0), (11, 1), (11, 3), (11, 5), (11, 6), (11, 7),
+                            (11, 8), (12, 0), (12, 1), (12, 2), (12, 4), (12, 6), (12, 8),
+                            (12, 9), (13, 0), (13, 1), (13, 2)})
+
+
+def _version(text: str, what: str, flag: str) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(?:torch|cuda|cu)?\s*v?(\d+)\.(\d+)(?:\.\d+)?(?:[+.\-]\S*)?\s*", text)
+    if match is None:
+        raise InvalidInputError(f"malformed {flag} {text!r}: write the {what} version like "
+                                f"{'2.4' if what == 'torch' else '12.4'}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _cuda_tag(text: str) -> tuple[int, int] | None:
+    """``cu124`` -> (12, 4); ``cu113`` -> (11, 3); ``cu130`` -> (13, 0)."""
+    match = re.fullmatch(r"cu(\d{2,3})", text.strip().lower())
+    if match is None:
+        return None
+    digits = match.group(1)
+    return int(digits[:2]), int(digits[2:] or 0)
+
+
+def _installed() -> tuple[str, str | None]:
+    """The installed torch's version string and its CUDA version ("2.14.1+cu130", "13.0")."""
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "0.0", None
+    local = version.partition("+")[2]
+    cuda = _cuda_tag(local) if local else None
+    if cuda is None and not local:  # a plain "2.x.y" wheel from PyPI is a CUDA build
+        try:
+            import torch  # noqa: PLC0415 - only when the metadata cannot tell
+
+            return version, torch.version.cuda
+        except ImportError:
+            return version, None
+    return version, None if cuda is None else f"{cuda[0]}.{cuda[1]}"
+
+
+@dataclass(frozen=True)
+class Stack:
+    """torch, CUDA and cuDNN versions of the process that will run the step.
+
+    Attributes:
+        torch_version: ``(major, minor)``.
+        cuda_version: ``(major, minor)`` of the CUDA runtime torch was built with.
+        cudnn_version: as ``torch.backends.cudnn.version()`` reports it (8302 for 8.3.2,
+            90100 for 9.1.0).
+    """
+
+    torch_version: tuple[int, int]
+    cuda_version: tuple[int, int]
+    cudnn_version: int
+
+    @classmethod
+    def parse(cls, *, torch_version: str | None = None, cuda_version: str | None = None,
+              stack: str | None = None, cudnn_version: int | None = None) -> Stack:
+        """A stack from what the user typed; anything not given is the installed one's.
+
+        Args:
+            torch_version: ``2.4``, ``2.4.0``, ``2.4.0+cu124`` (a local ``+cuXYZ`` also
+                sets the CUDA version).
+            cuda_version: ``12.4`` or ``cu124``.
+            stack: both at once, ``torch2.4+cu124`` or ``2.4/12.4``.
+            cudnn_version: overrides the cuDNN of the official wheel of that pair.
+
+        Raises:
+            InvalidInputError: an unknown or malformed version (one line, with the range
+                batchfit knows).
+        """
+        if stack is not None:
+            if torch_version is not None or cuda_version is not None:
+                raise InvalidInputError("give --stack or --torch-version/--cuda-version, not both")
+            parts = re.split(r"[+/ ]", stack.strip(), maxsplit=1)
+            if len(parts) != 2 or not parts[1]:
+                raise InvalidInputError(
+                    f"malformed --stack {stack!r}: write torch and CUDA versions like "
+                    "torch2.4+cu124 or 2.4/12.4")
+            torch_version, cuda_version = parts
+        installed_torch, installed_cuda = _installed()
+        flag = "--torch-version" if stack is None else "--stack"
+        text = torch_version if torch_version is not None else installed_torch
+        torch_v = _version(text, "torch", flag)
+        local = text.partition("+")[2]
+        if cuda_version is None and local:
+            cuda_version = local
+        if cuda_version is None:
+            if torch_version is not None and torch_v != _version(installed_torch, "torch", flag):
+                cuda_version = _default_cuda(torch_v)
+            else:
+                cuda_version = installed_cuda or _default_cuda(torch_v)
+        cuda_flag = "--cuda-version" if stack is None else "--stack"
+        cuda_v = _cuda_tag(cuda_version) or _version(cuda_version, "CUDA", cuda_flag)
+        _check_known(torch_v, cuda_v, installed_torch, flag, cuda_flag)
+        if cudnn_version is None:
+            cudnn_version = _cudnn_of(torch_v, cuda_v, installed_torch)
+        return cls(torch_v, cuda_v, int(cudnn_version))
+
+    @classmethod
+    def installed(cls) -> Stack:
+        """The torch installed here, with the CUDA it was built for."""
+        return cls.parse()
+
+    # -- what the versions decide -------------------------------------------------------
+
+    @property
+    def lazy_module_loading(self) -> bool:
+        """Kernels load into the context only when first used (see the module docstring)."""
+        return self.cuda_version >= (12, 2) or (
+            self.cuda_version >= (11, 7) and self.torch_version >= (1, 13))
+
+    def context_bytes(self) -> int:
+        """The CUDA context and loaded kernels, outside the caching allocator."""
+        return LAZY_CONTEXT_BYTES if self.lazy_module_loading else EAGER_CONTEXT_BYTES
+
+    @property
+    def zero_grad_sets_none(self) -> bool:
+        """``optimizer.zero_grad()`` frees gradients (torch >= 2.0) or zeroes them in place."""
+        return self.torch_version >= (2, 0)
+
+    @property
+    def foreach_default(self) -> bool:
+        """CUDA optimizers default to the multi-tensor implementation (torch >= 2.0)."""
+        return self.torch_version >= (2, 0)
+
+    @property
+    def softmax_saves_input(self) -> bool:
+        """Autograd keeps softmax's input besides its output (torch < 1.11: the backward
+        formula referenced ``self``, pytorch/pytorch#64000; #65242 removed it)."""
+        return self.torch_version < (1, 11)
+
+    @property
+    def has_sdpa(self) -> bool:
+        """``F.scaled_dot_product_attention`` and its fused kernels exist (torch >= 2.0)."""
+        return self.torch_version >= (2, 0)
+
+    @property
+    def label(self) -> str:
+        """``torch 2.4 + CUDA 12.4 (cuDNN 9.1.0)``."""
+        return (f"torch {self.torch_version[0]}.{self.torch_version[1]} + CUDA "
+                f"{self.cuda_version[0]}.{self.cuda_version[1]} (cuDNN {cudnn_label(self.cudnn_version)})")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"torch_version": ".".join(map(str, self.torch_version)),
+                "cuda_version": ".".join(map(str, self.cuda_version)),
+                "cudnn_version": self.cudnn_version,
+                "lazy_module_loading": self.lazy_module_loading,
+                "context_bytes": self.context_bytes()}
+
+
+def cudnn_label(version: int) -> str:
+    """8302 -> "8.3.2"; 90100 -> "9.1.0" (cuDNN 9 encodes major*10000 + minor*100 + patch)."""
+    if version >= 90000:
+        return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+    return f"{version // 1000}.{version // 100 % 10}.{version % 100}"
+
+
+def resolve_stack(stack: Stack | str | None) -> Stack:
+    """A :class:`Stack`, a ``--stack`` string, or None for the installed stack."""
+    if isinstance(stack, Stack):
+        return stack
+    if stack is None:
+        return _installed_stack()
+    if isinstance(stack, str):
+        return Stack.parse(stack=stack)
+    raise InvalidInputError(f"stack must be a Stack or a string like 'torch2.4+cu124', "
+                            f"not {type(stack).__name__}")
+
+
+_INSTALLED: Stack | None = None
+
+
+def _installed_stack() -> Stack:
+    global _INSTALLED
+    if _INSTALLED is None:
+        _INSTALLED = Stack.installed()
+    return _INSTALLED
+
+
+def _default_cuda(torch_v: tuple[int, int]) -> str:
+    builds = _RELEASES.get(torch_v)
+    if builds is None:
+        return "12.8"
+    cuda = max(builds)
+    return f"{cuda[0]}.{cuda[1]}"
+
+
+def _check_known(torch_v: tuple[int, int], cuda_v: tuple[int, int], installed: str,
+                 flag: str, cuda_flag: str) -> None:
+    installed_v = _version(installed, "torch", flag) if installed != "0.0" else None
+    first, last = min(_RELEASES), max(max(_RELEASES), installed_v or (0, 0))
+    if not (first <= torch_v <= last and torch_v[0] in (first[0], last[0])):
+        raise InvalidInputError(
+            f"unknown {flag} {torch_v[0]}.{torch_v[1]}: batchfit knows torch "
+            f"{first[0]}.{first[1]} to {last[0]}.{last[1]}")
+    if cuda_v not in _CUDA_VERSIONS:
+        known = ", ".join(f"{a}.{b}" for a, b in sorted(_CUDA_VERSIONS))
+        raise InvalidInputError(f"unknown {cuda_flag} {cuda_v[0]}.{cuda_v[1]}: use one of {known}")
+
+
+def _cudnn_of(torch_v: tuple[int, int], cuda_v: tuple[int, int], installed: str) -> int:
+    installed_v = _version(installed, "torch", "--torch-version") if installed != "0.0" else None
+    builds = _RELEASES.get(torch_v)
+    if torch_v == installed_v and (builds is None or cuda_v not in builds):
+        version = _installed_cudnn()
+        if version:
+            return version
+    if builds is None:  # a release between the table and the installed one: the nearest older
+        builds = _RELEASES[max(v for v in _RELEASES if v <= torch_v)]
+    if cuda_v in builds:
+        return builds[cuda_v]
+    nearest = min(builds, key=lambda c: (abs(c[0] - cuda_v[0]) * 100 + abs(c[1] - cuda_v[1])))
+    return builds[nearest]
+
+
+def _installed_cudnn() -> int:
+    try:
+        import torch  # noqa: PLC0415 - the installed build is the one to ask
+
+        return int(torch.backends.cudnn.version() or 0)
+    except ImportError:
+        return 0

@@ -1,0 +1,84 @@
+"""The steady step replayed as a loop runs it: twice through one caching allocator.
+
+Expected values are derived by hand from the allocator's rules in
+c10/cuda/CUDACachingAllocator.cpp (see :mod:`batchfit.device.allocator`): requests of
+10 MiB and more get a segment of their own size rounded to 2 MiB; freed blocks stay
+cached; ``get_free_block`` takes the smallest cached block that fits; a large block
+splits when more than 1 MiB would remain; when cudaMalloc fails the allocator releases
+every wholly free segment and retries once.
+"""
+
+from __future__ import annotations
+
+from batchfit.device.profile import DeviceProfile
+from batchfit.device.timeline import fits_within, loop_events, needed_bytes, replay_events
+from batchfit.engine.tracer import Category, Event, EventKind, Phase
+
+MiB = 1 << 20
+DEV = DeviceProfile.cuda(80 * 1024 * MiB, (8, 0), context_bytes=0, workspace_bytes=0)
+
+
+def _alloc(key: int, mib: int, phase: Phase = Phase.FORWARD) -> Event:
+    return Event(EventKind.ALLOC, key, mib * MiB, Category.ACTIVATIONS, "m", "op", phase)
+
+
+def _free(key: int, mib: int, phase: Phase = Phase.FORWARD) -> Event:
+    return Event(EventKind.FREE, key, mib * MiB, Category.ACTIVATIONS, "m", "op", phase)
+
+
+# s (12 MiB) and t (30 MiB) live together, then u (40 MiB) alone.
+STEP = [_alloc(1, 12), _alloc(2, 30), _free(1, 12), _free(2, 30), _alloc(3, 40), _free(3, 40)]
+
+
+def test_one_step_on_an_empty_allocator_needs_42_mib():
+    # s and t each cudaMalloc their own segment (12 + 30 = 42 MiB). u (40 MiB) finds no
+    # cached block that large; under a 42 MiB capacity cudaMalloc fails, the two wholly
+    # free segments are released and the retry gets a 40 MiB segment. 40 MiB fails at t.
+    assert needed_bytes(STEP, DEV, loop=False) == 42 * MiB
+
+
+def test_the_second_step_on_the_first_steps_cache_needs_70_mib():
+    # After step 1 the cache holds u's 40 MiB segment only (the retry released the others).
+    # Step 2: s (12) takes the 40 MiB block by best fit and splits it (28 MiB > 1 MiB
+    # remains); t (30) does not fit the 28 MiB remainder, so cudaMalloc(30): with less than
+    # 40 + 30 MiB nothing is wholly free to release (s holds the 40 MiB segment): OOM.
+    # At 70 MiB, s and t free, the 40 MiB segment merges whole again and takes u.
+    assert needed_bytes(STEP, DEV) == 70 * MiB
+    assert fits_within(STEP, DEV, 70 * MiB)
+    assert not fits_within(STEP, DEV, 68 * MiB)  # capacities are whole 2 MiB segments
+
+
+def test_the_timeline_reports_the_loops_peak_on_the_steps_events():
+    timeline = replay_events(STEP, DEV)
+    assert timeline.peak_reserved_bytes == 70 * MiB
+    assert len(timeline.reserved_bytes) == len(STEP)  # the second step's, event for event
+    assert replay_events(STEP, DEV, loop=False).peak_reserved_bytes == 42 * MiB
+
+
+def test_setup_runs_once_and_leftovers_are_freed_before_the_next_step():
+    setup = [_alloc(10, 100, Phase.SETUP)]
+    step = [_alloc(1, 12), _alloc(2, 30), _free(1, 12), _free(10, 100)]  # t (2) outlives the step
+    looped, mapping = loop_events(setup + step)
+    allocs = [e for e in looped if e.kind is EventKind.ALLOC]
+    assert [e.nbytes // MiB for e in allocs] == [100, 12, 30, 12, 30]  # setup once, step twice
+    freed_between = looped[len(setup) + len(step)]
+    assert (freed_between.kind, freed_between.key) == (EventKind.FREE, 2)
+    second_keys = {e.key for e in looped[len(setup) + len(step) + 1:]}
+    assert not second_keys & {1, 2}  # the second step's storages are new ones
+    assert 10 not in second_keys  # the setup storage freed by step 1 is not freed again
+    # each original event maps to its counterpart; the dropped free of the setup storage
+    # maps to the event before it (the second step's free of s)
+    A, F = EventKind.ALLOC, EventKind.FREE
+    assert [(looped[i].kind, looped[i].nbytes // MiB) for i in mapping] == [
+        (A, 100), (A, 12), (A, 30), (F, 12), (F, 12)]
+
+
+def test_a_step_that_reuses_its_segments_exactly_needs_no_more_in_a_loop():
+    # One 24 MiB storage per step: step 2 takes step 1's cached 24 MiB block whole.
+    step = [_alloc(1, 24), _free(1, 24)]
+    assert needed_bytes(step, DEV) == needed_bytes(step, DEV, loop=False) == 24 * MiB
+
+
+def test_the_cpu_replay_is_not_looped():
+    cpu = DeviceProfile.cpu()
+    assert needed_bytes(STEP, cpu) == 42 * MiB  # s + t live together; the CPU frees at once

@@ -1,0 +1,94 @@
+"""cuDNN benchmark-mode workspaces: expected bytes derived by hand from the model in
+batchfit.engine.cudnn (NHWC transposition buffers of 16-bit NCHW convolutions: input +
+output forward, grad_output + input backward; one 32-bit piece when torch splits the
+batch, split_batch_dim_to_32bit_out in ConvShared.cpp)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import batchfit
+from batchfit.engine.cudnn import benchmark_workspace_bytes
+from batchfit.engine.spec import TrainConfig
+from batchfit.engine.trace import trace_step
+from batchfit.engine.tracer import EventKind
+
+F16 = torch.float16
+CONV = "aten.convolution.default"
+CONV_BACKWARD = "aten.convolution_backward.default"
+
+
+def meta(*shape, dtype=F16, channels_last=False):
+    t = torch.empty(*shape, dtype=dtype, device="meta")
+    return t.contiguous(memory_format=torch.channels_last) if channels_last else t
+
+
+def fwd_args(x, w):
+    return (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+
+
+def test_forward_workspace_is_input_plus_output():
+    x, w, y = meta(32, 64, 56, 56), meta(128, 64, 3, 3), meta(32, 128, 56, 56)
+    expected = 32 * 64 * 56 * 56 * 2 + 32 * 128 * 56 * 56 * 2  # 12,845,056 + 25,690,112 B
+    assert benchmark_workspace_bytes(CONV, fwd_args(x, w), [y], (8, 6)) == expected == 38_535_168
+
+
+def test_no_workspace_where_nothing_is_transposed():
+    x, w, y = meta(32, 64, 56, 56), meta(128, 64, 3, 3), meta(32, 128, 56, 56)
+    cl = meta(32, 64, 56, 56, channels_last=True)
+    assert benchmark_workspace_bytes(CONV, fwd_args(cl, w), [y], (8, 6)) == 0  # NHWC already
+    w_cl = meta(128, 64, 3, 3, channels_last=True)  # a channels-last weight makes it NHWC too
+    assert benchmark_workspace_bytes(CONV, fwd_args(x, w_cl), [y], (8, 6)) == 0
+    x32 = meta(32, 64, 56, 56, dtype=torch.float32)
+    assert benchmark_workspace_bytes(CONV, fwd_args(x32, w), [y], (8, 6)) == 0  # not 16-bit
+    assert benchmark_workspace_bytes(CONV, fwd_args(x, w), [y], (6, 1)) == 0  # no tensor cores
+    assert benchmark_workspace_bytes(CONV, fwd_args(x, w), [y], (8, 6), False) == 0  # native
+
+
+def test_backward_workspace_is_grad_output_plus_input():
+    x, w, g = meta(16, 32, 28, 28), meta(32, 32, 3, 3), meta(16, 32, 28, 28)
+    args = (g, x, w, [32], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True])
+    assert benchmark_workspace_bytes(CONV_BACKWARD, args, [x, w], (8, 0)) == 2 * 16 * 32 * 28 * 28 * 2
+
+
+def test_split_batch_gives_one_pieces_workspace():
+    # 1024 x 96 x 192 x 128 = 2,415,919,104 elements > 2**31 - 1: torch splits the batch in
+    # pieces of 256 M // (96*192*128 = 2,359,296) = 113 samples; the workspace is a piece's.
+    x, w, y = meta(1024, 96, 192, 128), meta(96, 96, 3, 3), meta(1024, 96, 192, 128)
+    per_sample = 2 * 96 * 192 * 128 * 2
+    assert benchmark_workspace_bytes(CONV, fwd_args(x, w), [y], (8, 0)) == 113 * per_sample
+
+
+def test_trace_allocates_the_workspace_at_the_convolution():
+    # One 3x3 convolution, batch 8, 64 channels at 56x56, amp-fp16 inference on an A100:
+    # the fp16 input copy and the fp16 output are 8*64*56*56*2 = 3,211,264 B each.
+    def conv():
+        return nn.Sequential(nn.Conv2d(64, 64, 3, padding=1))
+
+    device = batchfit.DeviceProfile.cuda(80 << 30, (8, 0))
+    on = TrainConfig(mode="infer", precision="amp-fp16", cudnn_benchmark=True)
+    off = TrainConfig(mode="infer", precision="amp-fp16")
+    found = [e for e in trace_step(conv, (64, 56, 56), 8, on, device).steady_events
+             if e.op == f"cudnn workspace ({CONV})"]
+    assert [e.kind for e in found] == [EventKind.ALLOC, EventKind.FREE]
+    assert found[0].nbytes == 2 * 3_211_264 and found[0].module == "0"
+    assert not [e for e in trace_step(conv, (64, 56, 56), 8, off, device).steady_events
+                if e.op.startswith("cudnn workspace")]
+
+
+def test_only_convolutions_get_a_workspace_in_a_training_step_with_other_limited_ops():
+    # Pooling and reflection padding have kernel-limit rules too; in benchmark mode only the
+    # convolutions get a workspace (poolformer's AvgPool2d once crashed the trace here).
+    # Forward: 8*16*32*32*2 = 262,144 B in and out; backward: grad_output + input, the same.
+    def net():
+        return nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.AvgPool2d(3, 1, 1),
+                             nn.MaxPool2d(3, 1, 1), nn.ReflectionPad2d(1))
+
+    device = batchfit.DeviceProfile.cuda(24 << 30, (8, 6))
+    config = TrainConfig(mode="train", precision="amp-fp16", optimizer="sgd",
+                         cudnn_benchmark=True, stack="torch1.10+cu113")
+    found = [e for e in trace_step(net, (16, 32, 32), 8, config, device).steady_events
+             if e.op.startswith("cudnn workspace") and e.kind is EventKind.ALLOC]
+    assert [(e.op, e.nbytes) for e in found] == [
+        (f"cudnn workspace ({CONV})", 2 * 262_144), (f"cudnn workspace ({CONV_BACKWARD})", 2 * 262_144)]
