@@ -1,20 +1,27 @@
 """Trials in exec'd fresh interpreters: the user's own process, for the CPU search's boundary.
 
-A zygote child (:mod:`batchfit.realrun.trial_server`) is forked from an interpreter that
-has imported, unpickled and collected garbage before the fork; its heap starts with that
-history's free chunks, which serve the step's allocations under the cap without growing
-``VmData``. Its trials also run under a per-op usage tracker. It is not the process a
-user trains in, so it cannot settle the answer the user gets. (Measured under a 128 MiB
-cap with torch's defaults, ``benchmarks/search_user_process.py``: settled in zygote
-children, a small CNN's answer was 38, 38 and 42 in three searches, the plain-process
-truth 38; but plain processes themselves fitted 39-43 in some runs, so that data shows
-the device's spread more than a bias of the forks.) The bisection can use the fast zygote (its
-answer is a starting point); the answer the user gets is settled here, in processes
-that are what a user's training script is: ``sys.executable -c`` started with the
-caller's environment (or the trial server's), importing torch, the model's module and
-the step, building the model and the optimizer, one warm-up step at batch 1, the
-warm-up's gradients and batch dropped and collected, ``RLIMIT_DATA`` = ``VmData`` + cap,
-then the steps at batch B with no tracker, as a training loop runs them.
+Why the answer needs exec'd interpreters: a plain process's capped boundary is a draw
+made when the interpreter starts. Python's string-hash seed (random per interpreter
+unless ``PYTHONHASHSEED`` is set) and the address-space layout (ASLR) shape what is
+allocated during the imports, the build and the warm-up, so glibc's main heap has a
+different layout of free chunks when the cap is set. The step's tensors below the mmap
+threshold (which glibc raises to 32 MiB as tensors are freed) are served from its holes
+or grow the heap, so the step's peak ``VmData`` differs by tens of MiB between runs of
+the same batch. Measured with strace (``benchmarks/cpu_peak_spread.py``: ``VmData``
+rebuilt from every mmap/munmap/mprotect/brk, small CNN, AdamW, 2 steps at batch 40, 2
+threads): 111-149 MiB over 9 plain processes; 126.2 MiB in 3 of 3 with
+``PYTHONHASHSEED=0`` and ASLR off (``setarch -R``), 133.2 in 3 of 3 with seed 7; with
+one of the two fixed, or on one thread, it still spreads 13-23 MiB. A zygote's forks
+share its seed and its layout, the two inputs of the draw, so (by that measurement) they
+repeat one draw however many of them run and cannot show the flakiness; exec'd interpreters are independent draws, as the user's
+training script is. (Forks also start from the zygote's heap and run under a per-op
+usage tracker.) The bisection uses the fast zygote (its answer is a starting point); the
+answer the user gets is settled here, in processes that are what a user's training
+script is: ``sys.executable -c`` started with the caller's environment (or the trial
+server's), importing torch, the model's module and the step, building the model and the
+optimizer, one warm-up step at batch 1, the warm-up's gradients and batch dropped and
+collected, ``RLIMIT_DATA`` = ``VmData`` + cap, then the steps at batch B with no tracker,
+as a training loop runs them.
 
 An interpreter costs its ``import torch`` (3-10 s on this machine), so :class:`FreshPool`
 starts the first ones ahead, while the search's forked trials run (they import, build
@@ -36,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from batchfit.errors import TrialError
@@ -156,6 +163,67 @@ def parallel_runs(cap_bytes: int | None, available_bytes: int, at_most: int = 2)
         return 1
     each = cap_bytes + max(cap_bytes, 1 << 30)
     return max(1, min(at_most, available_bytes // max(1, each)))
+
+
+def settle_boundary(answer: int, confirm: Callable[[int, int, bool], list[Trial]],
+                     runs: int, max_batch: int = 1 << 62,
+                     ) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+    """The largest batch that fits in every one of ``runs`` runs of the user's process,
+    searched from the search's answer; returns it and ``(batch, fits, runs)`` for it and
+    the batch above it.
+
+    ``confirm(batch, count, until_failure)`` runs ``count`` fresh processes (on the CPU:
+    exec'd interpreters, :mod:`batchfit.realrun.fresh`; the search's forked trials do not
+    count: they are not the user's process). A batch *holds* when it fits in all
+    ``runs`` of its runs (its runs stop at the first failure). From the answer the search
+    gallops (1, 2, 4, ... batches) up while batches hold, or down until one holds, then
+    bisects between the last batch that held and the first that did not. The batch above
+    the result is then run ``runs`` times, so its flakiness shows. The forked trials'
+    answer is usually within a few batches, so this costs a few rounds of ``runs``
+    interpreters (run at once when memory allows).
+
+    A capped fresh process with glibc's default allocator is not a repeatable device, and
+    the draw is made when the interpreter starts (see the module docstring): one run at
+    each batch reports one draw; this reports the spread (``fits`` of ``runs`` for the
+    batch above), and answers the batch that fitted in every run. That answer is itself a
+    draw of a statistic (the largest batch fitting ``runs`` of ``runs``), not a constant:
+    for a small CNN under 128 MiB the fit fraction falls from 1 to 0 over ~10 batches."""
+    outcomes: dict[int, list[bool]] = {}
+
+    def fill(batch: int, until_failure: bool) -> list[bool]:
+        seen = outcomes.setdefault(batch, [])
+        if len(seen) < runs and (all(seen) or not until_failure):
+            seen.extend(t.fits for t in confirm(batch, runs - len(seen), until_failure))
+        return seen
+
+    def holds(batch: int) -> bool:
+        return all(fill(batch, True))
+
+    answer = max(1, min(answer, max_batch))
+    step, above = 1, None
+    if holds(answer):
+        while answer < max_batch:
+            batch = min(answer + step, max_batch)
+            if not holds(batch):
+                above = batch
+                break
+            answer, step = batch, 2 * step
+    else:
+        above = answer
+        while True:
+            batch = max(1, above - step)
+            if holds(batch) or batch == 1:
+                answer = batch
+                break
+            above, step = batch, 2 * step
+    while above is not None and above - answer > 1:
+        middle = (answer + above) // 2
+        answer, above = (middle, above) if holds(middle) else (answer, middle)
+    if above is not None and above > answer:
+        fill(above, False)
+    settled = tuple((b, sum(outcomes[b]), len(outcomes[b])) for b in sorted(outcomes)
+                    if answer <= b <= (above or answer))
+    return answer, settled
 
 
 # --------------------------------------------------------------------------- in the child

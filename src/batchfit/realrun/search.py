@@ -20,10 +20,8 @@ the trials fork from a zygote that imported torch and the model's library once
 builds the model and the optimizer and warms up once, while the prediction runs. Each
 trial is a child forked from the template, its memory the template's byte for byte, so
 a trial costs a fork and its steps. (On one thread only: on more, each trial child
-builds and warms up itself, one prepared ahead, as before; see the TrialServer.) The answer is the largest batch that runs in a
-fresh process with the cap, by construction (the template's memory history is a fresh
-process's: the benchmark's independent ``python -c`` truth and the trials agree to the
-byte at the boundary of the small CNN and GPT-2; for ResNet-18, see below). On CUDA the
+builds and warms up itself, one prepared ahead, as before; see the TrialServer.) The forked
+trials find the boundary; the answer is settled in exec'd fresh interpreters (below). On CUDA the
 trials run in the user's process (the model is there), an
 out-of-memory error is followed by ``empty_cache()``, which hands every cached segment
 back, and a failure that followed another failure is re-run before it is believed
@@ -49,14 +47,15 @@ The process the trials answer for is the user's: a fresh process with the caller
 thread count (torch's default in the CLI) and glibc's allocator as the environment sets it.
 glibc's dynamic mmap threshold makes such a process a noisy device: once a freed tensor
 raises the threshold, later tensors of that size come from the heap, the heap fragments,
-and near the cap the outcome depends on its layout. A small CNN under a 128 MiB cap fitted
+and near the cap the outcome depends on its layout, which is drawn when the interpreter
+starts (its hash seed and address layout; :mod:`batchfit.realrun.fresh`). A small CNN under a 128 MiB cap fitted
 batch 62 with the threshold pinned at 128 KiB on one thread (what the trials ran before:
 every tensor of 128 KiB or more mapped on its own, a sharp and repeatable boundary) and
 41 in a plain ``python`` process with torch's defaults, where 42 fitted in 1 of 4 runs and
 43 in 2 of 4. So the search first finds a boundary as before (one forked trial per
 batch), then settles it in exec'd fresh interpreters, the user's kind of process
 (:mod:`batchfit.realrun.fresh`; forks start from the zygote's heap): the
-answer must fit in all of ``boundary_runs`` (3) of them (:func:`_settle_boundary`
+answer must fit in all of ``boundary_runs`` (3) of them (:func:`~batchfit.realrun.fresh.settle_boundary`
 gallops and bisects from the forked answer), and ``SearchResult.boundary`` says in how
 many the batch above fitted. ``boundary_runs=1`` skips the settling. ``reproducible=True`` brings back the pinned
 threshold (a repeatable boundary of a process the user does not run).
@@ -484,6 +483,8 @@ class _Search:
             self._nothing_fits(trials, agreed_trials, needed)
         boundary: tuple[tuple[int, int, int], ...] = ()
         if settling and answer < max_batch:
+            from batchfit.realrun.fresh import settle_boundary
+
             def confirm(batch_size: int, count: int, until_failure: bool) -> list[Trial]:
                 runs = self.confirm(batch_size, count, until_failure)
                 for trial in runs:
@@ -492,8 +493,8 @@ class _Search:
                         options.on_trial(trial)
                 return runs
 
-            answer, boundary = _settle_boundary(answer, confirm, options.boundary_runs,
-                                                max_batch)
+            answer, boundary = settle_boundary(answer, confirm, options.boundary_runs,
+                                               max_batch)
         measured = [t for t in trials if t.fits and t.batch_size == answer]
         overhead = (next((t.overhead_bytes(self.usage_is_growth) for t in reversed(measured)
                           if t.peak_bytes is not None), None)
@@ -735,67 +736,6 @@ class _CudaSearch(_InProcessSearch):
         if result.total_bytes_at_next is not None:
             per_sample = float(result.total_bytes_at_next - result.total_bytes_at_max)
         return _Prediction(result.max_batch_size, per_sample or None)
-
-
-def _settle_boundary(answer: int, confirm: Callable[[int, int, bool], list[Trial]],
-                     runs: int, max_batch: int = 1 << 62,
-                     ) -> tuple[int, tuple[tuple[int, int, int], ...]]:
-    """The largest batch that fits in every one of ``runs`` runs of the user's process,
-    searched from the search's answer; returns it and ``(batch, fits, runs)`` for it and
-    the batch above it.
-
-    ``confirm(batch, count, until_failure)`` runs ``count`` fresh processes (on the CPU:
-    exec'd interpreters, :mod:`batchfit.realrun.fresh`; the search's forked trials do not
-    count: they are not the user's process). A batch *holds* when it fits in all
-    ``runs`` of its runs (its runs stop at the first failure). From the answer the search
-    gallops (1, 2, 4, ... batches) up while batches hold, or down until one holds, then
-    bisects between the last batch that held and the first that did not. The batch above
-    the result is then run ``runs`` times, so its flakiness shows. The forked trials'
-    answer is usually within a few batches, so this costs a few rounds of ``runs``
-    interpreters (run at once when memory allows).
-
-    A capped fresh process with glibc's default allocator is not a repeatable device: where
-    the cap falls near the step's peak, the heap's layout decides, and it differs from
-    process to process (threads, what was freed where). Measured here for a small CNN
-    under a 128 MiB cap in plain ``python`` processes: batch 38 fitted in 3 of 3, 39 in 2
-    of 3, 40 in 1 of 2, 41 and 42 in none, 43 in 1 of 2. One run at each batch reports one
-    draw; this reports the spread, and answers the batch the user's process can count on."""
-    outcomes: dict[int, list[bool]] = {}
-
-    def fill(batch: int, until_failure: bool) -> list[bool]:
-        seen = outcomes.setdefault(batch, [])
-        if len(seen) < runs and (all(seen) or not until_failure):
-            seen.extend(t.fits for t in confirm(batch, runs - len(seen), until_failure))
-        return seen
-
-    def holds(batch: int) -> bool:
-        return all(fill(batch, True))
-
-    answer = max(1, min(answer, max_batch))
-    step, above = 1, None
-    if holds(answer):
-        while answer < max_batch:
-            batch = min(answer + step, max_batch)
-            if not holds(batch):
-                above = batch
-                break
-            answer, step = batch, 2 * step
-    else:
-        above = answer
-        while True:
-            batch = max(1, above - step)
-            if holds(batch) or batch == 1:
-                answer = batch
-                break
-            above, step = batch, 2 * step
-    while above is not None and above - answer > 1:
-        middle = (answer + above) // 2
-        answer, above = (middle, above) if holds(middle) else (answer, middle)
-    if above is not None and above > answer:
-        fill(above, False)
-    settled = tuple((b, sum(outcomes[b]), len(outcomes[b])) for b in sorted(outcomes)
-                    if answer <= b <= (above or answer))
-    return answer, settled
 
 
 def summarize_trials(trials: Sequence[Trial]) -> str:
