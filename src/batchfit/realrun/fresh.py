@@ -1,21 +1,24 @@
 """Trials in exec'd fresh interpreters: the user's own process, for the CPU search's boundary.
 
 Why the answer needs exec'd interpreters: a plain process's capped boundary is a draw
-made when the interpreter starts. Python's string-hash seed (random per interpreter
-unless ``PYTHONHASHSEED`` is set) and the address-space layout (ASLR) shape what is
-allocated during the imports, the build and the warm-up, so glibc's main heap has a
-different layout of free chunks when the cap is set. The step's tensors below the mmap
-threshold (which glibc raises to 32 MiB as tensors are freed) are served from its holes
-or grow the heap, so the step's peak ``VmData`` differs by tens of MiB between runs of
-the same batch. Measured with strace (``benchmarks/cpu_peak_spread.py``: ``VmData``
-rebuilt from every mmap/munmap/mprotect/brk, small CNN, AdamW, 2 steps at batch 40, 2
-threads): 111-149 MiB over 9 plain processes; 126.2 MiB in 3 of 3 with
-``PYTHONHASHSEED=0`` and ASLR off (``setarch -R``), 133.2 in 3 of 3 with seed 7; with
-one of the two fixed, or on one thread, it still spreads 13-23 MiB. A zygote's forks
-share its seed and its layout, the two inputs of the draw, so (by that measurement) they
-repeat one draw however many of them run and cannot show the flakiness; exec'd interpreters are independent draws, as the user's
-training script is. (Forks also start from the zygote's heap and run under a per-op
-usage tracker.) The bisection uses the fast zygote (its answer is a starting point); the
+made by the process itself. Three inputs that differ from process to process decide the
+layout of glibc's heap: Python's string-hash seed (random per interpreter unless
+``PYTHONHASHSEED`` is set), the address-space layout (ASLR: ``id()``-based hashes order
+sets and dicts, mappings align differently), and on more than one thread the
+interleaving of the OpenMP threads' allocations and frees. The step's tensors below the
+mmap threshold (which glibc raises, up to 32 MiB, as tensors are freed) are served from
+the heap's holes or grow it, so the step's peak ``VmData`` differs by tens of MiB between
+runs of the same batch. Measured with strace (``benchmarks/cpu_peak_spread.py``:
+``VmData`` rebuilt from every mmap/munmap/mprotect/brk; small CNN, AdamW, 2 steps at
+batch 40): 100-139 MiB over 3 plain processes (100-149 over 12 with earlier runs);
+identical (137.5 MiB) in 5 of 5 with ``PYTHONHASHSEED=0``, ASLR off (``setarch -R``)
+and one thread; with the hash seed and ASLR fixed on two threads, 2 of 3 runs agree and
+the third is 10-21 MiB higher; with any one input left random it spreads 17-30 MiB.
+None of them is the load or the machine: a user's training script draws all three. A
+zygote's forks share the seed and the layout, so they repeat (nearly) one draw however
+many of them run, and cannot show the flakiness; exec'd interpreters draw afresh, as the
+user's training script does. (Forks also start from the zygote's heap and run under a
+per-op usage tracker.) The bisection uses the fast zygote (its answer is a starting point); the
 answer the user gets is settled here, in processes that are what a user's training
 script is: ``sys.executable -c`` started with the caller's environment (or the trial
 server's), importing torch, the model's module and the step, building the model and the
