@@ -19,8 +19,16 @@ finder call timed as ``search_vs_peers.py`` times it. Wall times are medians.
 The search's answer is settled in exec'd fresh interpreters with the server's (plain)
 environment (:mod:`batchfit.realrun.fresh`); its bisection forks from the zygote.
 
+A plain process is a random device (``cpu_peak_spread.py``: its hash seed, address layout
+and thread interleaving draw the heap's layout), so "the largest batch fitting 3 of 3" is
+itself a draw, and two draws need not agree. ``--fractions M`` measures the statistic that
+is well defined instead: per batch, the fraction of M plain processes it fits in, at each
+search's answer, the batch above it and its recommended batch
+(``benchmarks/results/search_fit_fraction.{md,json}``).
+
 Run: ``python benchmarks/search_user_process.py [--models cnn,gpt2-tiny,resnet18]
-[--repeats 3] [--lightning-repeats N]``. Writes ``benchmarks/results/search_user_process.{md,json}``.
+[--repeats 3] [--lightning-repeats N] [--fractions M]``. Writes
+``benchmarks/results/search_user_process.{md,json}``.
 """
 
 from __future__ import annotations
