@@ -82,3 +82,33 @@ def test_a_step_that_reuses_its_segments_exactly_needs_no_more_in_a_loop():
 def test_the_cpu_replay_is_not_looped():
     cpu = DeviceProfile.cpu()
     assert needed_bytes(STEP, cpu) == 42 * MiB  # s + t live together; the CPU frees at once
+
+
+def _workspace(key: int, mib: int, kind: EventKind) -> Event:
+    return Event(kind, key, mib * MiB, Category.TEMPORARIES, "m",
+                 "cudnn workspace (aten.convolution.default)", Phase.FORWARD)
+
+
+# a (10 MiB) lives while a convolution asks for a 12 MiB workspace; then b (10 MiB).
+CONV_STEP = [_alloc(1, 10), _workspace(2, 12, EventKind.ALLOC), _workspace(2, 12, EventKind.FREE),
+             _free(1, 10), _alloc(3, 10), _free(3, 10)]
+
+
+def test_a_cudnn_workspace_that_does_not_fit_falls_back_instead_of_failing_the_step():
+    # torch catches the OutOfMemoryError of a benchmarked convolution's workspace and runs
+    # another algorithm (Conv_v7.cpp AlgoIterator::try_all, Conv_v8.cpp try_plans).
+    # Under 10 MiB: a gets a 10 MiB segment (requests >= 10 MiB get their own size); the
+    # workspace's cudaMalloc(12) fails, no segment is wholly free to release, so it is
+    # skipped; b takes a's cached 10 MiB block. Both steps of the loop alike: 10 MiB.
+    assert needed_bytes(CONV_STEP, DEV) == 10 * MiB
+    assert fits_within(CONV_STEP, DEV, 10 * MiB)
+    # The same 12 MiB as an ordinary temporary must fit: 10 + 12 = 22 MiB (then b takes
+    # a's block, the loop's second step finds both blocks cached).
+    plain = [Event(e.kind, e.key, e.nbytes, e.category, e.module, "op", e.phase) for e in CONV_STEP]
+    assert needed_bytes(plain, DEV) == 22 * MiB
+    assert not fits_within(plain, DEV, 20 * MiB)
+
+
+def test_a_workspace_that_fits_is_allocated_and_held_in_the_cache():
+    # With room (22 MiB) the workspace gets its segment; the timeline's peak counts it.
+    assert replay_events(CONV_STEP, DEV).peak_reserved_bytes == 22 * MiB

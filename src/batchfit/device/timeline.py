@@ -28,6 +28,8 @@ from batchfit.engine.tracer import Category, Event, EventKind, Phase
 
 _WORKSPACE_KEY = -1
 _SEGMENT_UNIT = 2 * 1024 * 1024  # every segment is a multiple of this
+#: The op name prefix of a cuDNN workspace event (batchfit.engine.tracer).
+WORKSPACE_OP = "cudnn workspace"
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,10 @@ def needed_bytes(events: Sequence[Event], device: DeviceProfile, loop: bool = Tr
     if loop:
         events = loop_events(events)[0]
     allocated, reserved = _replay_cuda(events, device.workspace_bytes, None)
-    return _smallest_capacity(events, device.workspace_bytes, max(allocated), max(reserved))
+    low = max(allocated)
+    if any(is_fallible(e) for e in events):  # a capacity may hold everything else only
+        low = peak_live_bytes([e for e in events if not is_fallible(e)])
+    return _smallest_capacity(events, device.workspace_bytes, low, max(reserved))
 
 
 def fits_within(events: Sequence[Event], device: DeviceProfile, limit_bytes: int) -> bool:
@@ -184,6 +189,18 @@ def fits_within(events: Sequence[Event], device: DeviceProfile, limit_bytes: int
         return peak_live_bytes(events) <= limit_bytes
     capacity = limit_bytes // _SEGMENT_UNIT * _SEGMENT_UNIT
     return capacity > 0 and _fits(loop_events(events)[0], device.workspace_bytes, capacity)
+
+
+def is_fallible(event: Event) -> bool:
+    """Whether torch survives this allocation failing: a benchmarked cuDNN convolution's
+    workspace (:mod:`batchfit.engine.cudnn`). When the caching allocator cannot give it
+    (after releasing its cached blocks, as for any request), torch catches the
+    ``OutOfMemoryError`` and runs another algorithm instead: ``AlgoIterator::try_all``
+    in aten/src/ATen/native/cudnn/Conv_v7.cpp, ``run_single_conv``/``try_plans`` in
+    Conv_v8.cpp (``catch (c10::OutOfMemoryError& e)``). The replay then goes on without
+    that workspace (the fallback's is taken as none: cuDNN's implicit-GEMM algorithms
+    need no workspace)."""
+    return event.op.startswith(WORKSPACE_OP)
 
 
 def peak_live_bytes(events: Sequence[Event]) -> int:
@@ -216,7 +233,11 @@ def _replay_cuda(events: Sequence[Event], workspace_bytes: int, capacity: int | 
     reserved: list[int] = []
     for event in events:
         if event.kind is EventKind.ALLOC:
-            handles[event.key] = allocator.malloc(event.nbytes)
+            try:
+                handles[event.key] = allocator.malloc(event.nbytes)
+            except AllocatorOutOfMemory:
+                if not is_fallible(event):
+                    raise
         elif event.kind is EventKind.FREE:
             handle = handles.pop(event.key, None)
             if handle is not None:
@@ -250,7 +271,11 @@ def _fits(events: Sequence[Event], workspace_bytes: int, capacity: int) -> bool:
             malloc(workspace_bytes)
         for event in events:
             if event.kind is alloc_kind:
-                handles[event.key] = malloc(event.nbytes)
+                try:
+                    handles[event.key] = malloc(event.nbytes)
+                except AllocatorOutOfMemory:
+                    if not is_fallible(event):
+                        raise
             elif event.kind is free_kind:
                 handle = handles.pop(event.key, None)
                 if handle is not None:

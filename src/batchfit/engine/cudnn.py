@@ -35,7 +35,11 @@ v8 heuristics mode); their workspaces are not modelled (as before this module).
 
 The workspace enters the allocator replay as one allocation freed right away, placed
 after the convolution's outputs (torch allocates the output, then the workspace inside
-the call), tagged ``temporaries`` with the op ``cudnn workspace (<op>)``.
+the call), tagged ``temporaries`` with the op ``cudnn workspace (<op>)``. The replay
+treats it as torch does: an allocation that may fail (:func:`batchfit.device.timeline.
+is_fallible`): when the caching allocator cannot give it, the call falls back to an
+algorithm without a workspace and the step goes on. So a workspace costs memory only
+while there is room for it, and through the cached blocks it leaves behind.
 
 Example:
     >>> import torch
