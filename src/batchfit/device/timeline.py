@@ -174,10 +174,9 @@ def needed_bytes(events: Sequence[Event], device: DeviceProfile, loop: bool = Tr
     if loop:
         events = loop_events(events)[0]
     allocated, reserved = _replay_cuda(events, device.workspace_bytes, None)
-    low = max(allocated)
-    if any(is_fallible(e) for e in events):  # a capacity may hold everything else only
-        low = peak_live_bytes([e for e in events if not is_fallible(e)])
-    return _smallest_capacity(events, device.workspace_bytes, low, max(reserved))
+    if not any(is_fallible(e) for e in events):
+        return _smallest_capacity(events, device.workspace_bytes, max(allocated), max(reserved))
+    return _smallest_capacity_fallible(events, device.workspace_bytes, max(reserved))
 
 
 def fits_within(events: Sequence[Event], device: DeviceProfile, limit_bytes: int) -> bool:
@@ -258,6 +257,32 @@ def _smallest_capacity(events: Sequence[Event], workspace_bytes: int, low: int, 
         else:
             lo = mid
     return hi * unit
+
+
+def _smallest_capacity_fallible(events: Sequence[Event], workspace_bytes: int, high: int) -> int:
+    """The least capacity above which the replay fits, with fallible workspaces.
+
+    Fitting is not monotone in the capacity then: with more room a workspace is
+    allocated, and the blocks it leaves cached can fragment what follows (as in torch),
+    so the step can fail at a capacity above one where it fits. The bisection's answer
+    is checked at capacities 1, 2, 4, ... segments above it; from the largest that
+    fails the search starts again, until none fails. A solver asking "does it fit in
+    the budget" then gets the same answer from this number as from :func:`fits_within`
+    (up to capacities between two checks).
+    """
+    unit = _SEGMENT_UNIT
+    low = peak_live_bytes([e for e in events if not is_fallible(e)])  # fails below this
+    needed = _smallest_capacity(events, workspace_bytes, low, high)
+    while True:
+        failing = None
+        step = unit
+        while needed + step < high:
+            if not _fits(events, workspace_bytes, needed + step):
+                failing = needed + step
+            step *= 2
+        if failing is None:
+            return needed
+        needed = _smallest_capacity(events, workspace_bytes, failing + 1, high)
 
 
 def _fits(events: Sequence[Event], workspace_bytes: int, capacity: int) -> bool:
