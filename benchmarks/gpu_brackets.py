@@ -228,8 +228,23 @@ def tracing_source_hash() -> str:
     for sub in ("engine", "models"):
         for path in sorted((root / sub).rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
+            digest.update(_code_without_docstrings(path.read_text()).encode())
     return digest.hexdigest()[:16]
+
+
+def _code_without_docstrings(source: str) -> str:
+    """The module's syntax tree without docstrings or comments (a documentation edit
+    keeps the cached traces)."""
+    import ast
+
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def install_trace_cache(cache_dir: Path, row: Row, config: Any, device: Any) -> None:
