@@ -489,6 +489,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", metavar="TAG", help="only print the report of a cached run")
     parser.add_argument("--compare", metavar="TAG", help="before/after table against this run")
     parser.add_argument("--retry-errors", action="store_true", help="predict errored rows again")
+    parser.add_argument("--rows-from", metavar="JSONL", type=Path,
+                        help="only the rows (their 'key') of this results file, e.g. another tag's")
     parser.add_argument("--trace-cache", metavar="DIR", type=Path,
                         help="keep each row's traces here (outside the repo) and reuse them")
     args = parser.parse_args(argv)
@@ -506,6 +508,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = [r for r in rows if re.search(args.models, r.model)]
     if args.sample:
         rows = stratified_sample(rows, min(args.sample, len(rows)))
+    if args.rows_from:
+        keys = set(load_cache(args.rows_from))
+        rows = [r for r in rows if r.key in keys]
     if not args.report:
         todo = [r for r in rows if r.key not in cached
                 or (args.retry_errors and "error" in cached[r.key])]
