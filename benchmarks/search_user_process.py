@@ -16,8 +16,19 @@ re-run in 3 plain processes (it must never fail); and Lightning's
 ``scale_batch_size(mode="binsearch", steps_per_trial=2)`` in one plain capped process, its
 finder call timed as ``search_vs_peers.py`` times it. Wall times are medians.
 
+The search's answer is settled in exec'd fresh interpreters with the server's (plain)
+environment (:mod:`batchfit.realrun.fresh`); its bisection forks from the zygote.
+
+A plain process is a random device (``cpu_peak_spread.py``: its hash seed, address layout
+and thread interleaving draw the heap's layout), so "the largest batch fitting 3 of 3" is
+itself a draw, and two draws need not agree. ``--fractions M`` measures the statistic that
+is well defined instead: per batch, the fraction of M plain processes it fits in, at each
+search's answer, the batch above it and its recommended batch
+(``benchmarks/results/search_fit_fraction.{md,json}``).
+
 Run: ``python benchmarks/search_user_process.py [--models cnn,gpt2-tiny,resnet18]
-[--repeats 3]``. Writes ``benchmarks/results/search_user_process.{md,json}``.
+[--repeats 3] [--lightning-repeats N] [--fractions M]``. Writes
+``benchmarks/results/search_user_process.{md,json}``.
 """
 
 from __future__ import annotations
@@ -125,7 +136,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="cnn,gpt2-tiny,resnet18")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lightning-repeats", type=int, default=None,
+                        help="Lightning binsearch runs per model (default: --repeats)")
+    parser.add_argument("--fractions", type=int, default=0, metavar="M",
+                        help="instead of the 3-of-3 truth's bisection, run M plain processes "
+                             "at each search's answer, the batch above it and its recommended "
+                             "batch: the fit fraction the user's process has there")
     args = parser.parse_args()
+    if args.fractions:
+        return fractions_main(args)
     from batchfit.realrun.trial_server import TrialServer, model_source, preloads_for
 
     os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
@@ -143,7 +162,8 @@ def main() -> None:
         truth, runs = true_maximum(name, cap, searches[0]["answer"])
         recommended = {r["recommended"] for r in searches}
         rec_runs = {b: [plain_trial(name, b, cap)["fits"] for _ in range(3)] for b in recommended}
-        lightning = [run_lightning(name, cap) for _ in range(args.repeats)]
+        lightning = [run_lightning(name, cap) for _ in range(
+            args.repeats if args.lightning_repeats is None else args.lightning_repeats)]
         print(f"  truth {truth}; lightning {lightning}", flush=True)
         walls = [s["wall_s"] for s in searches]
         lwalls = [r["wall_s"] for r in lightning if r["wall_s"] is not None]
@@ -162,16 +182,105 @@ def main() -> None:
             "ratio": (statistics.median(walls) / statistics.median(lwalls)) if lwalls else None,
             "boundaries": [s["boundary"] for s in searches],
         })
+        write_results(rows[-1], args.repeats)
+
+
+def fractions_main(args) -> None:
+    """The statistic a noisy device allows: per batch, the fraction of plain processes in
+    which it fits (``cpu_peak_spread.py`` shows why it is not 0 or 1 near the cap)."""
+    from batchfit.realrun.trial_server import TrialServer, model_source, preloads_for
+
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    os.environ.pop("OMP_NUM_THREADS", None)
+    path = RESULTS / "search_fit_fraction.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    for name in args.models.split(","):
+        cap = device.MODELS[name]["cap"]
+        load = os.getloadavg()[0]
+        with TrialServer(preloads_for(model_source(device.resolve(name))[0]),
+                         env=plain_env()) as server:
+            searches = [run_search(name, cap, server) for _ in range(args.repeats)]
+        print(f"{name}: searches {searches}", flush=True)
+        batches = sorted({b for s in searches
+                          for b in (s["answer"], s["answer"] + 1, s["recommended"])})
+        truth = {}
+        for b in batches:
+            truth[b] = [plain_trial(name, b, cap)["fits"] for _ in range(args.fractions)]
+            print(f"  plain B={b}: {sum(truth[b])}/{len(truth[b])}", flush=True)
+        lightning = [run_lightning(name, cap) for _ in range(args.lightning_repeats or 0)]
+        walls = [s["wall_s"] for s in searches]
+        lwalls = [r["wall_s"] for r in lightning if r["wall_s"] is not None]
+        row = {"model": name, "cap_mib": cap >> 20, "load_start": load,
+               "load_end": os.getloadavg()[0], "searches": searches,
+               "plain_fits": {str(b): f"{sum(v)}/{len(v)}" for b, v in truth.items()},
+               "lightning": lightning,
+               "ratio": (statistics.median(walls) / statistics.median(lwalls)) if lwalls else None}
+        rows = [r for r in rows if r["model"] != name] + [row]
+        path.write_text(json.dumps(rows, indent=2) + "\n")
+        write_fractions_table(rows, args.fractions)
+
+
+def write_fractions_table(rows: list[dict], runs: int) -> None:
+    lines = ["# The capped-CPU search against the fit fraction of plain processes", "",
+             (f"AdamW, {device.STEPS} steps per trial. Search: the library call from a running "
+              "trial server (bisection in forked trials, settled in 3 exec'd fresh "
+              "interpreters: the largest batch fitting 3 of 3, and the batch above's k of 3). "
+              f"Plain: {runs} plain `python -c` processes per batch (torch's defaults, no "
+              "MALLOC_MMAP_THRESHOLD_, no OMP_NUM_THREADS), the fraction that fitted. Lightning: "
+              "binsearch in one plain capped process, 2 steps per trial, its finder call timed."),
+             "", ("| model | cap MiB | load | search answer (3/3), above k/3, recommended, wall s | "
+                  "plain fits at answer / above / recommended | Lightning answer, wall s | "
+                  "wall ratio |"), "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fits = r["plain_fits"]
+        for i, s in enumerate(r["searches"]):
+            above = next((f"{b[1]}/{b[2]}" for b in s["boundary"] if b[0] == s["answer"] + 1), "-")
+            lt = ", ".join(
+                (f"{x['answer']}, {x['wall_s']:.0f} s" if x["answer"] is not None else
+                 f"crashed after {x['trials']} trials ({x.get('error', '')[:50]}), "
+                 f"{x['wall_s']:.0f} s") if x["wall_s"] else f"failed: {x.get('error', '')[:60]}"
+                for x in r["lightning"]) or "-"
+            ratio = f"{r['ratio']:.2f}" if r["ratio"] and i == 0 else ""
+            if ratio and all(x["answer"] is None for x in r["lightning"]):
+                ratio += " (to Lightning's crash)"
+            lines.append(
+                f"| {r['model'] if i == 0 else ''} | {r['cap_mib']} | "
+                f"{r['load_start']:.1f}-{r['load_end']:.1f} | {s['answer']}, {above}, "
+                f"{s['recommended']}, {s['wall_s']:.0f} | {fits[str(s['answer'])]} / "
+                f"{fits[str(s['answer'] + 1)]} / {fits[str(s['recommended'])]} | "
+                f"{lt if i == 0 else ''} | {ratio} |")
+    (RESULTS / "search_fit_fraction.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def write_results(row: dict, repeats: int) -> None:
+    """Merge ``row`` into the results (one row per model, so models can run in separate
+    processes, each writing as it finishes), then rewrite the table from all rows."""
+    import fcntl
+
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "search_user_process.json").write_text(json.dumps(rows, indent=2) + "\n")
+    path = RESULTS / "search_user_process.json"
+    with open(RESULTS / ".search_user_process.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rows = json.loads(path.read_text()) if path.exists() else []
+        rows = [r for r in rows if r["model"] != row["model"]] + [row]
+        order = list(device.MODELS)
+        rows.sort(key=lambda r: order.index(r["model"]) if r["model"] in order else len(order))
+        path.write_text(json.dumps(rows, indent=2) + "\n")
+        write_table(rows, repeats)
+
+
+def write_table(rows: list[dict], repeats: int) -> None:
     lines = ["# The capped-CPU search against a plain fresh process (torch's defaults)", "",
-             f"AdamW, {device.STEPS} steps per trial; truth: the largest batch that fits in 3 of 3 "
-             "plain `python -c` processes (no MALLOC_MMAP_THRESHOLD_, no OMP_NUM_THREADS); "
-             f"batchfit's search with its defaults, {args.repeats} runs from a running trial "
-             "server; Lightning binsearch in one plain capped process (finder call timed).", "",
-             "| model | cap MiB | truth | flaky above (fits/runs) | batchfit answers | correct | "
-             "recommended fits (plain) | trials | wall s | Lightning answers | Lightning trials | "
-             "Lightning wall s | wall ratio |", "|" + "---|" * 13]
+             (f"AdamW, {device.STEPS} steps per trial; truth: the largest batch that fits in 3 "
+              "of 3 plain `python -c` processes (no MALLOC_MMAP_THRESHOLD_, no OMP_NUM_THREADS); "
+              f"batchfit's search with its defaults, {repeats} runs from a running trial "
+              "server (bisection in forked trials, the answer settled in exec'd fresh "
+              "interpreters); Lightning binsearch in one plain capped process (finder call "
+              "timed)."), "",
+             ("| model | cap MiB | truth | flaky above (fits/runs) | batchfit answers | correct | "
+              "recommended fits (plain) | trials | wall s | Lightning answers | "
+              "Lightning trials | Lightning wall s | wall ratio |"), "|" + "---|" * 13]
     for r in rows:
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
         lwall = f"{r['lightning_wall_s']:.1f}" if r["lightning_wall_s"] else "-"

@@ -11,11 +11,14 @@
    batchfit's time over its time.
 2. ``batchfit plan hf:meta-llama/Meta-Llama-3-8B --gpus 8x"H100 SXM" --global-batch 1024
    --seq-len 8192 --strategies ddp,fsdp,fsdp-grad-op,zero3`` (4 layouts) wall time and peak
-   RSS. Target: <= 2 minutes. Its peer is item 1's: a plan is a search over micro-batches
-   of rank traces, so its time is reported also as a multiple of one 70B rank's trace.
+   RSS. Target: <= 2 minutes. Its peer, in the same round: the same plan with the search
+   it had before (a bisection over the divisors, each trace building the model anew:
+   ``--peer-plan``, which swaps that search back in); and one 70B rank's trace, as a
+   multiple.
 
-Medians of ``--runs`` (default 3) interleaved runs; this machine is shared and noisy. The
-peer runs ``--peer-runs`` times (default 1: it takes minutes here), in the first rounds.
+Medians of ``--runs`` (default 3) interleaved runs; this machine is shared and noisy: the
+one-minute load average before and after each run is recorded with it. The peers run
+``--peer-runs`` times (default 1: they take minutes here), in the first rounds.
 
 Usage: python benchmarks/sharded_speed.py [--runs 3] [--peer-runs 1] [--from-log OUTPUT.txt]
 Writes benchmarks/results/sharded_speed.{json,md}.
@@ -43,8 +46,46 @@ PLAN_8B = [BATCHFIT, "plan", "hf:meta-llama/Meta-Llama-3-8B", "--gpus", '8x"H100
            "--optimizer", "adamw", "--strategies", "ddp,fsdp,fsdp-grad-op,zero3", "--json"]
 
 
+def bisection_plan_cli() -> None:
+    """``batchfit plan`` with the micro-batch search it had before (commit 3c61069): a
+    bisection over the divisors, one rank-0 trace each, each building the model anew."""
+    import batchfit.speed.plan as plan_module
+    from batchfit.cli import main as cli_main
+
+    def bisection(model, inputs, config, device, layout, per_replica, shared=None):
+        from batchfit.answers.ranks import estimate_ranks
+
+        divisors = [b for b in range(1, per_replica + 1) if per_replica % b == 0]
+        sizes: dict[int, int] = {}
+
+        def need(batch: int) -> int:
+            if batch not in sizes:
+                sizes[batch] = estimate_ranks(model, inputs, batch, config, device=device,
+                                              parallel=layout, first_step=False).total_bytes
+            return sizes[batch]
+
+        low, high = -1, len(divisors)
+        while high - low > 1:
+            middle = (low + high) // 2
+            if need(divisors[middle]) <= device.total_memory_bytes:
+                low = middle
+            else:
+                high = middle
+        if low < 0:
+            return None, need(divisors[0])
+        return divisors[low], need(divisors[low])
+
+    plan_module._largest_divisor_that_fits = bisection
+    sys.argv = ["batchfit", *PLAN_8B[1:]]
+    cli_main()
+
+
 def run(command: list[str]) -> dict:
-    """``command`` under a wrapper that reports its child's wall time and ru_maxrss."""
+    """``command`` under a wrapper that reports its child's wall time and ru_maxrss, and
+    the one-minute load average before and after it."""
+    import os
+
+    load_before = os.getloadavg()[0]
     wrapper = ("import json, resource, subprocess, sys, time; c = json.loads(sys.argv[1]); "
                "t = time.perf_counter(); p = subprocess.run(c, capture_output=True, text=True); "
                "s = time.perf_counter() - t; "
@@ -54,6 +95,7 @@ def run(command: list[str]) -> dict:
     done = subprocess.run([sys.executable, "-c", wrapper, json.dumps(command)],
                           capture_output=True, text=True, check=True)
     result = json.loads(done.stdout)
+    result["load_before"], result["load_after"] = load_before, os.getloadavg()[0]
     if result["rc"] != 0:
         raise RuntimeError(f"{' '.join(command[:3])} exited {result['rc']}: {result['stderr']}")
     return result
@@ -110,9 +152,12 @@ def write_results(rows: dict[str, list[dict]], runs: int, complete: bool) -> str
             continue
         summary[name] = {"median_seconds": statistics.median(r["seconds"] for r in ok),
                          "median_max_rss_gb": statistics.median(r["max_rss_bytes"] for r in ok) / 1e9,
-                         "runs": [{"seconds": r["seconds"], "max_rss_gb": r["max_rss_bytes"] / 1e9}
-                                  for r in ok]}
-    est, peer, plan = (summary[k] for k in ("estimate_70b", "peer_fsdp_memtracker", "plan_8b"))
+                         "runs": [{"seconds": r["seconds"], "max_rss_gb": r["max_rss_bytes"] / 1e9,
+                                   "load_before": r.get("load_before"),
+                                   "load_after": r.get("load_after")} for r in ok]}
+    est, peer, plan, old = (summary.setdefault(k, {"runs": []}) for k in
+                            ("estimate_70b", "peer_fsdp_memtracker", "plan_8b",
+                             "peer_plan_bisection"))
     if "median_seconds" in est:
         est["meets_60s_3gb"] = est["median_seconds"] <= 60 and est["median_max_rss_gb"] <= 3
         if "median_seconds" in peer:
@@ -124,22 +169,30 @@ def write_results(rows: dict[str, list[dict]], runs: int, complete: bool) -> str
         if "median_seconds" in est:
             plan["ratio_to_one_70b_rank_same_round"] = (plan["runs"][0]["seconds"]
                                                         / est["runs"][0]["seconds"])
+        if "median_seconds" in old:
+            plan["ratio_to_bisection_same_round"] = (plan["runs"][0]["seconds"]
+                                                     / old["runs"][0]["seconds"])
     out = {"commands": {"estimate_70b": ESTIMATE_70B[1:], "plan_8b": PLAN_8B[1:],
-                        "peer": "python benchmarks/sharded_speed.py --peer"},
+                        "peer": "python benchmarks/sharded_speed.py --peer",
+                        "peer_plan": "python benchmarks/sharded_speed.py --peer-plan"},
            "runs_planned": runs, "complete": complete, "summary": summary}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "sharded_speed.json").write_text(json.dumps(out, indent=2) + "\n")
-    lines = ["| what | runs (s) | median s | median peak RSS GB | target | met | ratio (same round) |",
+    lines = [("| what | runs (s) [load average before-after] | median s | median peak RSS GB | "
+              "target | met | ratio to its peer (same round) |"),
              "|---|---|---|---|---|---|---|"]
     for name, target, key, ratio in (
             ("estimate_70b", "<= 60 s, <= 3 GB", "meets_60s_3gb", "ratio_to_peer_same_round"),
             ("peer_fsdp_memtracker", "-", None, None),
-            ("plan_8b", "<= 120 s", "meets_2min", "ratio_to_one_70b_rank_same_round")):
+            ("plan_8b", "<= 120 s", "meets_2min", "ratio_to_bisection_same_round"),
+            ("peer_plan_bisection", "-", None, None)):
         row = summary[name]
         if "median_seconds" not in row:
             lines.append(f"| {name} | {row.get('error', 'not run')[:80]} | | | {target} | | |")
             continue
-        times = ", ".join(f"{r['seconds']:.0f}" for r in row["runs"])
+        times = ", ".join(f"{r['seconds']:.0f}" + (
+            f" [{r['load_before']:.1f}-{r['load_after']:.1f}]" if r.get("load_before") is not None
+            else "") for r in row["runs"])
         met = row.get(key, "") if key else ""
         lines.append(f"| {name} | {times} | {row['median_seconds']:.1f} | "
                      f"{row['median_max_rss_gb']:.2f} | {target} | {met} | "
@@ -157,12 +210,16 @@ def from_log(path: str) -> dict[str, list[dict]]:
     """The runs a cut-short benchmark printed ("run K NAME: S s, R GB")."""
     import re
 
-    rows: dict[str, list[dict]] = {"estimate_70b": [], "peer_fsdp_memtracker": [], "plan_8b": []}
+    rows: dict[str, list[dict]] = {"estimate_70b": [], "peer_fsdp_memtracker": [], "plan_8b": [],
+                                   "peer_plan_bisection": []}
     for line in Path(path).read_text().splitlines():
-        found = re.match(r"run \d+ (\w+): ([\d.]+) s, ([\d.]+) GB", line)
+        found = re.match(r"run \d+ (\w+): ([\d.]+) s, ([\d.]+) GB(?:, load ([\d.]+)-([\d.]+))?",
+                         line)
         if found:
             rows[found[1]].append({"seconds": float(found[2]),
-                                   "max_rss_bytes": float(found[3]) * 1e9})
+                                   "max_rss_bytes": float(found[3]) * 1e9,
+                                   "load_before": float(found[4]) if found[4] else None,
+                                   "load_after": float(found[5]) if found[5] else None})
     return rows
 
 
@@ -173,26 +230,35 @@ def main() -> None:
                         help="runs of the peer (FSDPMemTracker takes minutes per run here)")
     parser.add_argument("--from-log", help="rebuild the results from a cut-short run's output")
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--peer-plan", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peer:
         peer_fsdp_memtracker()
+        return
+    if args.peer_plan:
+        bisection_plan_cli()
         return
     if args.from_log:
         print(write_results(from_log(args.from_log), args.runs, complete=False))
         return
     peer_command = [sys.executable, __file__, "--peer"]
-    rows: dict[str, list[dict]] = {"estimate_70b": [], "peer_fsdp_memtracker": [], "plan_8b": []}
+    plan_peer = [sys.executable, __file__, "--peer-plan"]
+    rows: dict[str, list[dict]] = {"estimate_70b": [], "peer_fsdp_memtracker": [], "plan_8b": [],
+                                   "peer_plan_bisection": []}
     for index in range(args.runs):
         for name, command in (("estimate_70b", ESTIMATE_70B),
-                              ("peer_fsdp_memtracker", peer_command), ("plan_8b", PLAN_8B)):
-            if name == "peer_fsdp_memtracker" and index >= args.peer_runs:
+                              ("peer_fsdp_memtracker", peer_command), ("plan_8b", PLAN_8B),
+                              ("peer_plan_bisection", plan_peer)):
+            if name.startswith("peer") and index >= args.peer_runs:
                 continue
             try:
                 result = run(command)
             except RuntimeError as exc:
                 result = {"error": str(exc)[-1500:]}
             print(f"run {index + 1} {name}: {result.get('seconds', float('nan')):.1f} s, "
-                  f"{result.get('max_rss_bytes', 0) / 1e9:.2f} GB", flush=True)
+                  f"{result.get('max_rss_bytes', 0) / 1e9:.2f} GB, load "
+                  f"{result.get('load_before', 0):.2f}-{result.get('load_after', 0):.2f}",
+                  flush=True)
             rows[name].append(result)
             write_results(rows, args.runs, complete=False)
     print(write_results(rows, args.runs, complete=True))

@@ -113,8 +113,10 @@ def test_bench_predict_needs_no_device(factory_file):
 
 
 def test_search_json_contract(factory_file):
+    # one run per batch: the boundary's exec'd runs (tests/realrun/test_search.py) would
+    # cost minutes at this answer (thousands of samples, a heap lottery over many of them)
     result = invoke("search", f"{factory_file}:with_spec", "--device", "cpu", "--memory-cap",
-                    "48MiB", "--json")
+                    "48MiB", "--boundary-runs", "1", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     for key in ("max_batch_size", "recommended_batch_size", "predicted_max_batch_size"):

@@ -745,3 +745,28 @@ def test_docstring_examples_run():
                (batchfit.engine.autocast, batchfit.engine.cuda_emulation, batchfit.engine.sdpa)]
     result = doctest.TestResults(sum(r.failed for r in results), sum(r.attempted for r in results))
     assert result.attempted >= 3 and result.failed == 0
+
+
+def test_a_fused_attention_kernels_outputs_are_named_while_allocated():
+    # A selective checkpointing policy sees the emulated kernel's outputs as two new_empty
+    # calls; emulated_attention_kernel() names the kernel then, and only then.
+    from batchfit.engine.sdpa import _FusedAttention, emulated_attention_kernel
+
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((func, emulated_attention_kernel()))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 2, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        with Spy():
+            out = _FusedAttention.apply(q, k, v, None, True, None, False, SdpaBackend.FLASH)
+            out.sum().backward()
+    named = [func for func, kernel in seen  # (prim.device: new_empty asks the device)
+             if kernel is SdpaBackend.FLASH and func is not torch.ops.prim.device.default]
+    assert named == [torch.ops.aten.new_empty.default] * 2  # the output and its log-sum-exp
+    assert sum(kernel is None for _, kernel in seen) > 3  # backward's ops are not named
+    assert emulated_attention_kernel() is None

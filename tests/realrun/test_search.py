@@ -293,6 +293,10 @@ def test_the_answer_fits_in_every_boundary_run_and_the_next_shows_its_spread(ser
                               optimizer="sgd", predicted=TRUE_MAX, trial_server=server)
     assert result.max_batch_size == TRUE_MAX
     assert result.boundary == ((TRUE_MAX, 3, 3), (TRUE_MAX + 1, 0, 3))
+    # the boundary's runs are exec'd fresh interpreters (the user's process), not forks
+    confirming = [t for t in result.trials if t.process == "exec"]
+    assert sorted((t.batch_size, t.fits) for t in confirming) == \
+        [(TRUE_MAX, True)] * 3 + [(TRUE_MAX + 1, False)] * 3
     assert result.to_dict()["boundary"][1] == {"batch_size": TRUE_MAX + 1, "fits": 0, "runs": 3}
 
 
@@ -302,24 +306,53 @@ def _fake_trial(batch_size: int, fits: bool):
     return Trial(batch_size, fits, None, 0.0)
 
 
-def test_settle_steps_down_from_a_flaky_answer_and_reports_the_spread():
-    from batchfit.realrun.search import _settle_boundary
-
-    # a heap-layout lottery: 12 fits in 1 run of 3, 11 in 2 of 3, 10 always, 13 never
-    plans = {10: [True] * 9, 11: [True, False, True], 12: [False, True, False],
-             13: [False] * 9}
+def _fake_confirm(plans: dict[int, list[bool]]):
+    """``confirm(batch, count, until_failure)`` serving each batch's planned outcomes in order,
+    one at a time (none after a failure with ``until_failure``)."""
     served: dict[int, int] = {}
 
-    def run(batch_size: int):
-        index = served.get(batch_size, 0)
-        served[batch_size] = index + 1
-        return _fake_trial(batch_size, plans[batch_size][index])
+    def confirm(batch_size: int, count: int, until_failure: bool):
+        trials = []
+        while len(trials) < count and not (until_failure and not all(t.fits for t in trials)):
+            index = served.get(batch_size, 0)
+            served[batch_size] = index + 1
+            trials.append(_fake_trial(batch_size, plans[batch_size][index]))
+        return trials
 
-    # the search saw 11 fit once and 12 fail once
-    trials = [_fake_trial(11, True), _fake_trial(12, False)]
-    answer, boundary = _settle_boundary(11, trials, run, runs=3)
+    return confirm
+
+
+def test_settle_steps_down_from_a_flaky_answer_and_reports_the_spread():
+    from batchfit.realrun.fresh import settle_boundary
+
+    # a heap-layout lottery: 12 fits in 1 run of 3, 11 in 2 of 3, 10 always, 13 never.
+    # The search answered 11: 11's runs stop at its first failure (its 2nd run), 10 fits
+    # in 3 of 3, then 11 gets its third run (it fits: 2 of 3); 12 is never run.
+    plans = {10: [True] * 9, 11: [True, False, True], 12: [False, True, False],
+             13: [False] * 9}
+    answer, boundary = settle_boundary(11, _fake_confirm(plans), runs=3)
     assert answer == 10
-    assert boundary == ((10, 3, 3), (11, 2, 3), (12, 1, 3))
+    assert boundary == ((10, 3, 3), (11, 2, 3))
+    # from far above: 40 fails, then 39, 37, 33 (galloping down), 25 holds; bisection
+    # 29 (no), 27 (no), 26 (no): 25, and 26 gets its three runs
+    far = {b: ([True] * 3 if b <= 25 else [False] * 3) for b in range(1, 41)}
+    answer, boundary = settle_boundary(40, _fake_confirm(far), runs=3)
+    assert (answer, boundary) == (25, ((25, 3, 3), (26, 0, 3)))
+
+
+def test_settle_steps_up_when_the_batch_above_fits_every_time():
+    from batchfit.realrun.fresh import settle_boundary
+
+    # the search (forked trials) answered 9, but 10 fits in 3 of 3 fresh processes and 11
+    # in 2 of 3: 9 holds, 10 holds, 12 (two up) fails, 11 fails in its 2nd run and gets
+    # its 3rd: the answer is 10
+    plans = {9: [True] * 9, 10: [True] * 9, 11: [True, False, True], 12: [False] * 9}
+    answer, boundary = settle_boundary(9, _fake_confirm(plans), runs=3)
+    assert answer == 10
+    assert boundary == ((10, 3, 3), (11, 2, 3))
+    # capped by the search's limit: 10 is the limit, nothing above it runs
+    answer, boundary = settle_boundary(9, _fake_confirm(plans), runs=3, max_batch=10)
+    assert (answer, boundary) == (10, ((10, 3, 3),))
 
 
 def test_nothing_fits_raises_does_not_fit(server):

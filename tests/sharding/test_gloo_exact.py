@@ -3,7 +3,8 @@
 Two real processes talk over gloo (:mod:`batchfit.realrun.sharded`) and each measures
 its own live storages; one process traces each rank on torch's fake process group
 (:mod:`batchfit.sharding`). DDP and FSDP2 on a small transformer (its vocabulary of 97
-gives FSDP's last rank a shorter shard) and FSDP2 on a CNN with BatchNorm; DeepSpeed
+gives FSDP's last rank a shorter shard) and FSDP2 on a CNN with BatchNorm; FSDP1
+(``FullyShardedDataParallel``) with ``SHARD_GRAD_OP`` on the transformer; DeepSpeed
 ZeRO-3 (DeepSpeed's own engine, on CPU) on the transformer, with 10^5-element buckets
 (DeepSpeed's default of 5 x 10^8 would allocate 2 GB per rank). The tracker counts
 tensors, so the prediction counts tensors too (no CPU kernel scratch). The issue asks
@@ -29,7 +30,16 @@ BATCH = 8
 
 BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000}
 CASES = [(TinyTransformer, "ddp"), (TinyTransformer, "fsdp"), (TinyCNN, "fsdp"),
-         (TinyTransformer, "zero3")]
+         (TinyTransformer, "zero3"), (TinyTransformer, "fsdp1-grad-op")]
+
+
+def _layout(strategy: str) -> Parallelism:
+    """``fsdp1-grad-op``: FSDP1 itself with ``ShardingStrategy.SHARD_GRAD_OP``."""
+    options = {"strategy": strategy}
+    if strategy == "fsdp1-grad-op":
+        options = {"strategy": "fsdp1", "reshard_after_forward": False}
+    return Parallelism(world_size=WORLD, bucket_cap_mb=0.05,
+                       deepspeed=BUCKETS if strategy.startswith("zero") else {}, **options)
 
 
 def _jobs() -> list[ShardedJob]:
@@ -37,9 +47,7 @@ def _jobs() -> list[ShardedJob]:
     jobs = []
     for factory, strategy in CASES:
         inputs = transformer_inputs() if factory is TinyTransformer else CNN_INPUTS
-        layout = Parallelism(world_size=WORLD, strategy=strategy, bucket_cap_mb=0.05,
-                             deepspeed=BUCKETS if strategy.startswith("zero") else {})
-        jobs.append(ShardedJob(factory, inputs, BATCH, config, layout))
+        jobs.append(ShardedJob(factory, inputs, BATCH, config, _layout(strategy)))
     return jobs
 
 

@@ -134,3 +134,29 @@ def test_fsdp2_cpu_offload_keeps_model_state_off_the_gpu() -> None:
     copies = sorted(e.nbytes for e in trace.steady_events
                     if e.op == COPY_TO_DEVICE and e.kind is EventKind.ALLOC)
     assert copies == [26 * F32] * 2 + [39 * F32] * 6
+
+
+def test_a_zero_trace_leaves_no_chatter_on_stderr() -> None:
+    """Importing DeepSpeed logs torch.utils.cpp_extension's "No CUDA runtime is found"
+    (no CUDA toolkit here), and ZeRO's alignment assert reads ``data_ptr()``, which torch
+    warns about on a fake tensor; neither may reach the user's stderr from a trace. A
+    fresh process, so DeepSpeed is imported under the trace as in the CLI."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    code = (
+        "import torch\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "from batchfit.sharding.zero import _quiet_deepspeed\n"
+        "with _quiet_deepspeed():\n"
+        "    import deepspeed  # noqa: F401\n"
+        "    with FakeTensorMode():\n"
+        "        torch.empty(8).data_ptr()\n"
+        "print('done')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "No CUDA runtime" not in done.stderr
+    assert "data pointer of FakeTensor" not in done.stderr
+    assert done.stdout == "done\n"  # DeepSpeed's stdout is kept off the user's

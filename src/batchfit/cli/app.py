@@ -538,7 +538,8 @@ def search_cmd(
     steps_per_trial: int = typer.Option(2, "--steps-per-trial", help="real steps per trial (>= 2)"),
     boundary_runs: int = typer.Option(
         3, "--boundary-runs",
-        help="CPU: fresh processes the answer must fit in (the batch above runs as often)"),
+        help="CPU: exec'd fresh processes the answer must fit in (the batch above runs as "
+        "often); 1: no settling, the forked trials' answer"),
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
     mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
     checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,

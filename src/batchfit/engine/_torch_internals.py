@@ -141,6 +141,31 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def fake_storages_allocated_by_size() -> Iterator[None]:
+    """FSDP1 asks whether a storage is allocated by its data pointer
+    (``torch.distributed.utils._data_ptr_allocated``, imported by
+    ``torch/distributed/fsdp/_flat_param.py``; its ``SHARD_GRAD_OP`` asserts it of the
+    unsharded flat parameter it kept after forward). A fake storage's pointer is 0; within
+    the block a fake tensor's storage is allocated when its size is not 0 (FSDP1 frees by
+    ``resize_(0)``), and a real one's answer is unchanged."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.distributed.fsdp import _flat_param
+
+    original = _flat_param._data_ptr_allocated
+
+    def allocated(tensor: torch.Tensor) -> bool:
+        if is_fake(tensor):
+            return tensor.untyped_storage().size() > 0
+        return original(tensor)
+
+    _flat_param._data_ptr_allocated = allocated
+    try:
+        yield
+    finally:
+        _flat_param._data_ptr_allocated = original
+
+
+@contextlib.contextmanager
 def watching_resizes(on_resize: Callable[[Any, int], None]) -> Iterator[None]:
     """Call ``on_resize(storage, nbytes)`` after every ``UntypedStorage.resize_``.
 

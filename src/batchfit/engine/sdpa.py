@@ -22,7 +22,21 @@ import torch
 
 from batchfit.engine.autocast import _LOW_PRECISION
 
-__all__ = ["SdpaBackend", "SdpaProblem", "choose_sdpa_backend"]
+__all__ = ["SdpaBackend", "SdpaProblem", "choose_sdpa_backend", "emulated_attention_kernel"]
+
+#: The fused kernel whose outputs the emulation is allocating right now (None otherwise).
+_ALLOCATING: list[SdpaBackend] = []
+
+
+def emulated_attention_kernel() -> SdpaBackend | None:
+    """The fused attention kernel (flash, memory-efficient, cuDNN) whose outputs (the
+    attention output and its log-sum-exp) the emulation is allocating at this moment, else
+    None. On the GPU they are the outputs of one aten op
+    (``aten._scaled_dot_product_flash_attention`` and its siblings); in a trace they are two
+    ``new_empty`` calls inside :class:`_FusedAttention`: a selective activation
+    checkpointing policy (``torch.utils.checkpoint.create_selective_checkpoint_contexts``)
+    asks this to treat them as that op."""
+    return _ALLOCATING[-1] if _ALLOCATING else None
 
 # ---------------------------------------------------------------------------------------
 # Knowledge: which attention kernel a CUDA device picks (sdp_utils.cpp)
@@ -292,7 +306,6 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, bias, is_causal, scale, enable_gqa, backend):
         batch, heads, seq_q, _ = query.shape
-        out = query.new_empty(batch, seq_q, heads, value.size(-1)).transpose(1, 2)
         needs_lse = any(ctx.needs_input_grad[:3])
         if backend is SdpaBackend.EFFICIENT:
             lse_shape = (batch, heads, _round_up(seq_q, 32) if needs_lse else 0)
@@ -300,8 +313,14 @@ class _FusedAttention(torch.autograd.Function):
             lse_shape = (batch, heads, seq_q, 1)
         else:
             lse_shape = (batch, heads, seq_q)
-        # Only its memory matters: backward recomputes through the math path.
-        lse = query.new_empty(lse_shape, dtype=torch.float32)
+        _ALLOCATING.append(backend)  # the kernel's outputs (emulated_attention_kernel)
+        try:
+            out = query.new_empty(batch, seq_q, heads, value.size(-1))
+            # Only its memory matters: backward recomputes through the math path.
+            lse = query.new_empty(lse_shape, dtype=torch.float32)
+        finally:
+            _ALLOCATING.pop()
+        out = out.transpose(1, 2)
         if _has_values(query):
             with _values_context():
                 out.copy_(_math_attention(query, key, value, bias, is_causal, scale,

@@ -1,5 +1,5 @@
 """The tracer: every storage allocation and free of a step on fake tensors, tagged with
-its category, module, op and phase, as :class:`Event`\ s (the engine's vocabulary, read by
+its category, module, op and phase, as :class:`Event` records (the engine's vocabulary, read by
 the device replay and every answer). :func:`batchfit.engine.trace.trace_step` drives it.
 
 The tracer watches storages, not tensors: views share their base's storage, and a

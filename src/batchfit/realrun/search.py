@@ -20,10 +20,8 @@ the trials fork from a zygote that imported torch and the model's library once
 builds the model and the optimizer and warms up once, while the prediction runs. Each
 trial is a child forked from the template, its memory the template's byte for byte, so
 a trial costs a fork and its steps. (On one thread only: on more, each trial child
-builds and warms up itself, one prepared ahead, as before; see the TrialServer.) The answer is the largest batch that runs in a
-fresh process with the cap, by construction (the template's memory history is a fresh
-process's: the benchmark's independent ``python -c`` truth and the trials agree to the
-byte at the boundary of the small CNN and GPT-2; for ResNet-18, see below). On CUDA the
+builds and warms up itself, one prepared ahead, as before; see the TrialServer.) The forked
+trials find the boundary; the answer is settled in exec'd fresh interpreters (below). On CUDA the
 trials run in the user's process (the model is there), an
 out-of-memory error is followed by ``empty_cache()``, which hands every cached segment
 back, and a failure that followed another failure is re-run before it is believed
@@ -49,14 +47,17 @@ The process the trials answer for is the user's: a fresh process with the caller
 thread count (torch's default in the CLI) and glibc's allocator as the environment sets it.
 glibc's dynamic mmap threshold makes such a process a noisy device: once a freed tensor
 raises the threshold, later tensors of that size come from the heap, the heap fragments,
-and near the cap the outcome depends on its layout. A small CNN under a 128 MiB cap fitted
+and near the cap the outcome depends on its layout, which is drawn when the interpreter
+starts (its hash seed and address layout; :mod:`batchfit.realrun.fresh`). A small CNN under a 128 MiB cap fitted
 batch 62 with the threshold pinned at 128 KiB on one thread (what the trials ran before:
 every tensor of 128 KiB or more mapped on its own, a sharp and repeatable boundary) and
 41 in a plain ``python`` process with torch's defaults, where 42 fitted in 1 of 4 runs and
-43 in 2 of 4. So the search first finds a boundary as before (one trial per batch), then
-runs the answer and the batch above it in ``boundary_runs`` (3) fresh processes each; the
-answer must fit in all of them (else the search steps down), and ``SearchResult.boundary``
-says in how many the batch above fitted. ``reproducible=True`` brings back the pinned
+43 in 2 of 4. So the search first finds a boundary as before (one forked trial per
+batch), then settles it in exec'd fresh interpreters, the user's kind of process
+(:mod:`batchfit.realrun.fresh`; forks start from the zygote's heap): the
+answer must fit in all of ``boundary_runs`` (3) of them (:func:`~batchfit.realrun.fresh.settle_boundary`
+gallops and bisects from the forked answer), and ``SearchResult.boundary`` says in how
+many the batch above fitted. ``boundary_runs=1`` skips the settling. ``reproducible=True`` brings back the pinned
 threshold (a repeatable boundary of a process the user does not run).
 
 What the prediction misses on the CPU (``benchmarks/max_vs_true_cpu.py``): 5-7 MiB of
@@ -129,7 +130,7 @@ class SearchResult:
         limiting_rank: distributed: the lowest rank that ran out of memory at the
             batch after the answer (None otherwise).
         boundary: CPU: ``(batch_size, fits, runs)`` for the batches at the boundary, each
-            run in ``boundary_runs`` fresh processes: the answer fitted in all of its runs,
+            run in ``boundary_runs`` exec'd fresh interpreters: the answer fitted in all of its runs,
             the batch above it in ``fits`` of ``runs`` (flaky when 0 < fits < runs).
     """
 
@@ -220,8 +221,9 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
             caller makes them single-threaded): a repeatable boundary, but of a process
             the user does not run (a small CNN fitted 62 there and 41 in a plain process).
             By default the trials keep the caller's allocator settings and thread count.
-        boundary_runs: CPU: the answer must fit in this many fresh processes, and the batch
-            above it is run as often, so its flakiness shows (``SearchResult.boundary``).
+        boundary_runs: CPU: the answer must fit in this many exec'd fresh interpreters, and
+            the batch above it is run as often, so its flakiness shows
+            (``SearchResult.boundary``); 1: the forked trials' answer, not settled.
         timeout_s: a trial running longer than this raises (CPU).
         on_trial: called with each :class:`~batchfit.realrun.trial.Trial` as it finishes.
         trial_server: CPU: a running :class:`~batchfit.realrun.trial_server.TrialServer` to fork the
@@ -414,6 +416,17 @@ class _Search:
     def trial(self, batch_size: int) -> Trial:
         raise NotImplementedError
 
+    def confirm(self, batch_size: int, count: int, until_failure: bool) -> list[Trial]:
+        """``count`` more runs at ``batch_size`` for the boundary (fewer after a failure
+        with ``until_failure``)."""
+        trials = []
+        while len(trials) < count and not (until_failure and not all(t.fits for t in trials)):
+            trials.append(self.trial(batch_size))
+        return trials
+
+    def start_confirming(self, runs: int) -> None:
+        """Get the boundary's ``runs`` ready (while the search's trials run)."""
+
     def measure(self, trial: Trial) -> tuple[bool, int | None, int | None, int | None]:
         """``(fits, room left under the limit, live peak, allocator overhead)``."""
         slack = (None if trial.used_bytes is None or self.limit_bytes is None
@@ -459,6 +472,9 @@ class _Search:
             approach=approach if predicted else 0.0,
             slope_margin=0.0 if self.isolated else 0.02,
             seed=seed if predicted and seed is not None and seed <= predicted else None)
+        settling = self.isolated and agreement is None and options.boundary_runs > 1
+        if settling:
+            self.start_confirming(options.boundary_runs)
         log = search_boundary(evaluate, plan)
         if agreement is not None:
             agreement.end(len(log.outcomes))
@@ -466,12 +482,22 @@ class _Search:
         if answer == 0:
             self._nothing_fits(trials, agreed_trials, needed)
         boundary: tuple[tuple[int, int, int], ...] = ()
-        if self.isolated and agreement is None and options.boundary_runs > 1 \
-                and answer < max_batch:
-            answer, boundary = _settle_boundary(answer, trials, run_one,
-                                                options.boundary_runs)
-        overhead = (next(t for t in reversed(trials) if t.fits and t.batch_size == answer
-                         ).overhead_bytes(self.usage_is_growth)
+        if settling and answer < max_batch:
+            from batchfit.realrun.fresh import settle_boundary
+
+            def confirm(batch_size: int, count: int, until_failure: bool) -> list[Trial]:
+                runs = self.confirm(batch_size, count, until_failure)
+                for trial in runs:
+                    trials.append(trial)
+                    if options.on_trial is not None:
+                        options.on_trial(trial)
+                return runs
+
+            answer, boundary = settle_boundary(answer, confirm, options.boundary_runs,
+                                               max_batch)
+        measured = [t for t in trials if t.fits and t.batch_size == answer]
+        overhead = (next((t.overhead_bytes(self.usage_is_growth) for t in reversed(measured)
+                          if t.peak_bytes is not None), None)
                     if agreement is None else
                     next(a for a in reversed(agreed_trials) if a.fits and a.batch_size == answer
                          ).overhead_bytes)
@@ -549,10 +575,27 @@ class _CpuSearch(_Search):
             server = TrialServer(preloads_for(self.source), env=environment)
         self.server = server
         self.server.prepare(self.request)  # the first child warms up during the prediction
+        from batchfit.realrun.fresh import FreshPool
+
+        self.fresh = FreshPool(self.request, server.env, timeout_s=timeout_s)
+        self.available = available
 
     def close(self) -> None:
+        self.fresh.close()
         if self.owns_server:
             self.server.close()
+
+    def confirm(self, batch_size: int, count: int, until_failure: bool) -> list[Trial]:
+        """Runs in exec'd fresh interpreters: the user's process (:mod:`batchfit.realrun.fresh`)."""
+        return self.fresh.run(batch_size, count, until_failure=until_failure)
+
+    def start_confirming(self, runs: int) -> None:
+        """All of a batch's ``runs`` at once when memory allows (an interpreter's start,
+        ``import torch``, is most of a run's time), started now, during the search."""
+        from batchfit.realrun.fresh import parallel_runs
+
+        self.fresh.parallel = parallel_runs(self.cap_bytes, self.available, at_most=runs)
+        self.fresh.start()
 
     def predict(self) -> _Prediction:
         """Two traces (batch 16 and 32) give the state, the growth at 16 and the slope;
@@ -693,39 +736,6 @@ class _CudaSearch(_InProcessSearch):
         if result.total_bytes_at_next is not None:
             per_sample = float(result.total_bytes_at_next - result.total_bytes_at_max)
         return _Prediction(result.max_batch_size, per_sample or None)
-
-
-def _settle_boundary(answer: int, trials: Sequence[Trial], run: Callable[[int], Trial],
-                     runs: int) -> tuple[int, tuple[tuple[int, int, int], ...]]:
-    """The largest batch that fits in every one of ``runs`` fresh processes, from the
-    search's answer: the answer and the batch above it are run until each has ``runs``
-    runs (the trials so far count), and while the answer fails in one of them the next
-    batch down is run as often. Returns it and ``(batch, fits, runs)`` for each batch run
-    so, from the answer's up to the first one above it.
-
-    A capped fresh process with glibc's default allocator is not a repeatable device: where
-    the cap falls near the step's peak, the heap's layout decides, and it differs from
-    process to process (threads, what was freed where). Measured here for a small CNN
-    under a 128 MiB cap in plain ``python`` processes: batch 41 fitted in 4 of 4, 42 in 1 of
-    4, 43 in 2 of 4. One run at each batch reports one draw; this reports the spread, and
-    answers the batch the user's process can count on."""
-    outcomes: dict[int, list[bool]] = {}
-    for trial in trials:
-        outcomes.setdefault(trial.batch_size, []).append(trial.fits)
-
-    def fill(batch: int) -> list[bool]:
-        seen = outcomes.setdefault(batch, [])
-        while len(seen) < runs and (all(seen) or batch > answer):
-            seen.append(run(batch).fits)
-        return seen
-
-    top = answer + 1
-    fill(top)
-    while answer > 1 and not all(fill(answer)):
-        answer -= 1
-    settled = tuple((b, sum(outcomes[b]), len(outcomes[b]))
-                    for b in sorted(outcomes) if answer <= b <= top)
-    return answer, settled
 
 
 def summarize_trials(trials: Sequence[Trial]) -> str:

@@ -73,6 +73,9 @@ class Trial:
             per-process limit), or None.
         baseline_bytes: live tensor bytes when the trial started (parameters, buffers,
             optimizer state; the CPU child's state after its warm-up).
+        process: where it ran: None in this process or a forked trial child (CPU), "exec"
+            in an exec'd fresh interpreter that ran the steps untracked, as a training
+            script does (:mod:`batchfit.realrun.fresh`; nothing measured but fits).
     """
 
     batch_size: int
@@ -83,6 +86,7 @@ class Trial:
     used_bytes: int | None = None
     limit_bytes: int | None = None
     baseline_bytes: int | None = None
+    process: str | None = None
 
     def overhead_bytes(self, usage_is_growth: bool = True) -> int | None:
         """Memory held beyond live tensors at the peak: ``used_bytes`` less the live peak.
@@ -97,7 +101,7 @@ class Trial:
         return {"batch_size": self.batch_size, "fits": self.fits, "peak_bytes": self.peak_bytes,
                 "seconds": round(self.seconds, 4), "error": self.error,
                 "used_bytes": self.used_bytes, "limit_bytes": self.limit_bytes,
-                "baseline_bytes": self.baseline_bytes}
+                "baseline_bytes": self.baseline_bytes, "process": self.process}
 
 
 # --------------------------------------------------------------------------- out of memory

@@ -32,6 +32,11 @@ survive a fork after a parallel region: the child hangs), so templates serve tri
 one thread (``OMP_NUM_THREADS=1`` or ``torch.set_num_threads(1)`` in the caller); on
 more threads each trial child builds and warms up itself, one prepared ahead.
 
+That equivalence was measured with glibc's mmap threshold pinned, on one thread. With
+glibc's defaults and torch's threads (what a user's script runs) a fork still starts
+from the zygote's heap, which a fresh process does not, so the CPU search settles its
+answer in exec'd interpreters (:mod:`batchfit.realrun.fresh`) and uses forks for its bisection only.
+
 Known limitations:
     * A child killed by a signal after the cap was set (a library that aborts when
       malloc fails) counts as "does not fit", with the signal in ``Trial.error``.
@@ -275,6 +280,7 @@ class TrialServer:
                  env: dict[str, str] | None = None, prepare_next: bool = True):
         self.preload = list(dict.fromkeys(["torch", "batchfit.realrun.trial_server", *preload]))
         env = dict(os.environ) if env is None else env
+        self.env = env  # also the environment of the search's exec'd boundary runs
         self._process = subprocess.Popen(
             [sys.executable, "-c", "from batchfit.realrun.trial_server import zygote_main; zygote_main()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)

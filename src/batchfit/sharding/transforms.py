@@ -364,6 +364,11 @@ class FSDP1Transform(_Transform):
 
     whole_steps = False
 
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        with super().session(), ti.fake_storages_allocated_by_size():
+            yield
+
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
               float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
         import warnings

@@ -88,16 +88,25 @@ def deepspeed_environment(rank: int, world_size: int) -> Iterator[None]:
 @contextlib.contextmanager
 def _quiet_deepspeed() -> Iterator[None]:
     """DeepSpeed prints to stdout (its op builds) and logs warnings meant for a training
-    job; a prediction's output is the user's (``--json`` is one object on stdout)."""
+    job; a prediction's output is the user's (``--json`` is one object on stdout).
+
+    Two more lines reach stderr from a trace and say nothing about it: importing
+    DeepSpeed imports torch.utils.cpp_extension, which logs "No CUDA runtime is found"
+    when CUDA_HOME has no runtime (nothing is compiled here), and ZeRO's partitioning
+    asserts the alignment of ``data_ptr()`` (runtime/zero/stage_1_and_2.py), which torch
+    warns about on a fake tensor (c10/core/StorageImpl.cpp)."""
     import io
     import logging
+    import warnings
 
-    loggers = [logging.getLogger(name) for name in ("DeepSpeed", "deepspeed")]
+    loggers = [logging.getLogger(name)
+               for name in ("DeepSpeed", "deepspeed", "torch.utils.cpp_extension")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             yield
     finally:
         for logger, level in zip(loggers, levels):

@@ -6,8 +6,9 @@ offload) on ``world`` GPUs of one kind:
 1. **Memory and the micro-batch**: the largest per-GPU micro-batch that divides the
    per-replica batch ``global_batch / data_parallel_size`` and fits rank 0 on the card
    (:func:`batchfit.answers.ranks.estimate_ranks`; rank 0 holds the longest shards),
-   found by bisection over those divisors, one trace each; gradient accumulation makes
-   up the rest. None fits: the layout is infeasible, and says so.
+   found from few traces (:func:`largest_fitting_divisor`: the line through two needs,
+   confirmed on both sides; the answer a bisection over the divisors gives); gradient
+   accumulation makes up the rest. None fits: the layout is infeasible, and says so.
 2. **Compute**: the roofline of one micro-step on the GPU (:mod:`batchfit.speed.roofline`:
    the traced ops of the single-GPU step at that micro-batch, timed against the card's
    peak FLOP/s and bandwidth), divided by the tensor-parallel degree for tensor-parallel
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchfit.engine.spec import Precision, TrainConfig, make_config
@@ -162,6 +163,9 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
     names = list(strategies or DEFAULT_STRATEGIES + (("hsdp",) if nodes > 1 else ()))
     facts = _model_facts(model, inputs, config)
     speed = _Speed(model, inputs, card)
+    from batchfit.engine.trace import TraceReuse
+
+    shared = _Shared(TraceReuse())  # the meta model, built once for all layouts
     rows = []
     for strategy in names:
         for tp in ([1] if strategy != "fsdp" else [1, *tp_degrees]):
@@ -171,7 +175,7 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
                 continue
             rows.append(_best_variant(model, inputs, config, card, layout, global_batch,
                                       facts, speed, network, checkpointing, offload,
-                                      on_layout))
+                                      on_layout, shared))
     rows.sort(key=lambda r: (not r.feasible, r.step_s if r.feasible else 0.0))
     return PlanResult(card.name, count, nodes, global_batch, tuple(rows))
 
@@ -199,7 +203,7 @@ def _variants(layout: Any, checkpointing: str, offload: str) -> list[tuple[bool,
 def _best_variant(model: Any, inputs: Any, config: TrainConfig, card: Any, layout: Any,
                   global_batch: int, facts: _Model, speed: _Speed, network: float,
                   checkpointing: str, offload: str,
-                  on_layout: Callable[[str], None] | None) -> LayoutPlan:
+                  on_layout: Callable[[str], None] | None, shared: Any = None) -> LayoutPlan:
     """The first variant (least checkpointing and offload) that fits, else why none does."""
     last: LayoutPlan | None = None
     for ckpt, off in _variants(layout, checkpointing, offload):
@@ -209,14 +213,15 @@ def _best_variant(model: Any, inputs: Any, config: TrainConfig, card: Any, layou
         if on_layout is not None:
             on_layout(label)
         last = _evaluate(model, inputs, replace(config, checkpointing=ckpt), card, variant,
-                         global_batch, facts, speed, network)
+                         global_batch, facts, speed, network, shared)
         if last.feasible:
             return last
     return last
 
 
 def _evaluate(model: Any, inputs: Any, config: TrainConfig, card: Any, layout: Any,
-              global_batch: int, facts: _Model, speed: _Speed, network: float) -> LayoutPlan:
+              global_batch: int, facts: _Model, speed: _Speed, network: float,
+              shared: Any = None) -> LayoutPlan:
     from batchfit.device.profile import gpu_profile
 
     base = LayoutPlan(layout.strategy.value, layout.tp, layout.offload.value,
@@ -228,7 +233,7 @@ def _evaluate(model: Any, inputs: Any, config: TrainConfig, card: Any, layout: A
     per_replica = global_batch // replicas
     try:
         micro, memory = _largest_divisor_that_fits(model, inputs, config, gpu_profile(card),
-                                                   layout, per_replica)
+                                                   layout, per_replica, shared)
     except BatchfitError as exc:
         return replace(base, reason=str(exc).split(":")[0])
     if micro is None:
@@ -247,32 +252,126 @@ def _evaluate(model: Any, inputs: Any, config: TrainConfig, card: Any, layout: A
 
 
 def _largest_divisor_that_fits(model: Any, inputs: Any, config: TrainConfig, device: Any,
-                               layout: Any, per_replica: int) -> tuple[int | None, int]:
+                               layout: Any, per_replica: int,
+                               shared: Any = None) -> tuple[int | None, int]:
     """The largest micro-batch that divides ``per_replica`` and fits rank 0, and its bytes
-    (None and the bytes at 1 when none fits): a bisection over the divisors, one trace
-    each, since memory grows with the micro-batch."""
+    (None and the bytes at 1 when none fits): :func:`largest_fitting_divisor`, one trace
+    per micro-batch it asks for. Its traces share one
+    :class:`~batchfit.engine.trace.TraceReuse` (the model built on meta once and the
+    optimizer phase traced once, as ``max`` shares them: the same model, config and layout
+    at another micro-batch). ``shared`` (:class:`_Shared`, one per plan) lends them the
+    meta model built by the first layout (each layout copies it; none changes it) and the
+    bytes per sample an earlier layout with the same checkpointing measured: a first
+    guess only (the activations per sample are much alike across strategies); the answer
+    is still confirmed by tracing it and the divisor above."""
+    from torch import nn
+
     from batchfit.answers.ranks import estimate_ranks
+    from batchfit.engine.trace import TraceReuse
 
     divisors = [b for b in range(1, per_replica + 1) if per_replica % b == 0]
+    reuse = TraceReuse()
+    if shared is not None and config.workload is None:
+        reuse.meta_model = shared.reuse.meta_model
     sizes: dict[int, int] = {}
 
     def need(batch: int) -> int:
         if batch not in sizes:
             sizes[batch] = estimate_ranks(model, inputs, batch, config, device=device,
-                                          parallel=layout, first_step=False).total_bytes
+                                          parallel=layout, first_step=False,
+                                          reuse=reuse).total_bytes
         return sizes[batch]
 
-    budget = device.total_memory_bytes
-    low, high = -1, len(divisors)  # divisors[low] fits (or low = -1), divisors[high] does not
+    slope = shared.slopes.get(config.checkpointing) if shared is not None else None
+    answer = largest_fitting_divisor(divisors, need, device.total_memory_bytes, slope)
+    if shared is not None:
+        if shared.reuse.meta_model is None and isinstance(reuse.meta_model, nn.Module):
+            shared.reuse.meta_model = reuse.meta_model
+        measured = _slope(sizes, answer)
+        if measured is not None:
+            shared.slopes[config.checkpointing] = measured
+    return answer, need(answer if answer is not None else divisors[0])
+
+
+@dataclass
+class _Shared:
+    """What a plan's layouts lend each other: the model on meta, and the bytes per sample
+    each checkpointing setting measured (a first guess for the next layout)."""
+
+    reuse: Any
+    slopes: dict[bool, float] = field(default_factory=dict)
+
+
+def _slope(sizes: dict[int, int], answer: int | None) -> float | None:
+    """Bytes per sample between the answer and the nearest other traced micro-batch."""
+    if answer is None or len(sizes) < 2:
+        return None
+    other = min((b for b in sizes if b != answer), key=lambda b: abs(b - answer))
+    rise = (sizes[other] - sizes[answer]) / (other - answer)
+    return rise if rise > 0 else None
+
+
+def largest_fitting_divisor(divisors: Sequence[int], need: Callable[[int], int],
+                            budget: int, slope: float | None = None) -> int | None:
+    """The largest of the increasing ``divisors`` whose ``need`` fits ``budget`` (None when
+    the first does not), given that ``need`` grows with the micro-batch; ``need`` is one
+    trace, so it is asked as few times as the answer allows.
+
+    Keeps a bracket, as a bisection over the divisors does (``divisors[low]`` fits,
+    ``divisors[high]`` does not, or ``high`` is past the end) and returns ``divisors[low]``
+    once ``high = low + 1``: the bisection's answer. It probes where the line through two
+    known needs meets the budget, since memory is nearly affine in the micro-batch: the
+    first divisor (nothing fits: one trace, where a bisection over 8 divisors takes three),
+    the second (a line through two needs, or the answer 1: two traces), the largest divisor
+    the line fits, then its neighbour above to confirm it (four traces, or three when the
+    line fits them all). Given ``slope`` (bytes per sample, e.g. measured on another
+    layout), the line through the first need with that slope is the first guess: three
+    traces when it is right.
+
+    Example:
+        >>> asked = []
+        >>> need = lambda b: asked.append(b) or 10 + 3 * b
+        >>> largest_fitting_divisor([1, 2, 4, 8, 16, 32, 64, 128], need, 60), asked
+        (16, [1, 2, 16, 32])
+    """
+    known: dict[int, int] = {}
+
+    def ask(index: int) -> bool:
+        if index not in known:
+            known[index] = need(divisors[index])
+        return known[index] <= budget
+
+    if not ask(0):
+        return None
+    low, high = 0, len(divisors)
     while high - low > 1:
-        middle = (low + high) // 2
-        if need(divisors[middle]) <= budget:
-            low = middle
+        probe = _probe(divisors, known, low, high, budget, slope)
+        if ask(probe):
+            low = probe
         else:
-            high = middle
-    if low < 0:
-        return None, need(divisors[0])
-    return divisors[low], need(divisors[low])
+            high = probe
+    return divisors[low]
+
+
+def _probe(divisors: Sequence[int], known: dict[int, int], low: int, high: int,
+           budget: int, slope: float | None = None) -> int:
+    """The index strictly inside ``(low, high)`` to trace next: the largest divisor the line
+    through ``low``'s need and the nearest other known need (or, with no other yet, of
+    ``slope``) fits (``low + 1`` when the line fits none, or there is no line; ``high - 1``
+    when memory does not grow)."""
+    others = [i for i in known if i != low]
+    x0, y0 = divisors[low], known[low]
+    if others:
+        other = min(others, key=lambda i: abs(i - low))
+        x1, y1 = divisors[other], known[other]
+        if y1 == y0 or (y1 - y0) * (x1 - x0) < 0:
+            return high - 1
+        slope = (y1 - y0) / (x1 - x0)
+    elif not slope or slope <= 0:
+        return low + 1
+    crossing = x0 + (budget - y0) / slope
+    fitting = [i for i in range(low + 1, high) if divisors[i] <= crossing]
+    return fitting[-1] if fitting else low + 1
 
 
 def communication_bytes(layout: Any, facts: _Model, precision: Precision, micro: int,
