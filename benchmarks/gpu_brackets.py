@@ -28,11 +28,15 @@ constraint other than memory.
 Each row runs in a forked child with a time limit; results are cached per row in
 ``benchmarks/results/gpu_brackets/<tag>.jsonl`` (``--tag``, default the git commit), so
 an interrupted run resumes where it stopped. ``--sample N`` takes N rows spread evenly
-over the source files (the same rows every time).
+over the source files (the same rows every time). ``--trace-cache DIR`` (a directory
+outside the repo) keeps every trace a row takes, keyed by the tracing code's digest
+(``engine/``, ``models/``, torch and timm versions) and the row's settings, so a later run
+after a change to the replay, the allocator or the solver costs only replays.
 
 Usage:
     nice -n 10 python benchmarks/gpu_brackets.py [--set T|I] [--sample N] [--gpu NAME]
         [--jobs 2] [--files memory,nonmemory] [--models REGEX] [--tag NAME] [--timeout S]
+        [--trace-cache DIR]
     python benchmarks/gpu_brackets.py --report TAG [--compare TAG]
 
 Writes ``benchmarks/results/gpu_brackets/<tag>.jsonl`` (rows) and ``<tag>.md`` (tables).
@@ -209,7 +213,75 @@ def row_settings(row: Row) -> dict[str, Any]:
     return settings
 
 
-def predict_row(row: Row) -> dict[str, Any]:
+def tracing_source_hash() -> str:
+    """A digest of what a trace depends on: batchfit's tracing code (``engine/``,
+    ``models/``) and the torch and timm versions. A code change elsewhere (the allocator
+    replay, the solver, the limits' evaluation at a batch) keeps cached traces valid."""
+    import hashlib
+
+    import batchfit
+    import timm
+    import torch
+
+    digest = hashlib.sha256(f"{torch.__version__} {timm.__version__}".encode())
+    root = Path(batchfit.__file__).resolve().parent
+    for sub in ("engine", "models"):
+        for path in sorted((root / sub).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(_code_without_docstrings(path.read_text()).encode())
+    return digest.hexdigest()[:16]
+
+
+def _code_without_docstrings(source: str) -> str:
+    """The module's syntax tree without docstrings or comments (a documentation edit
+    keeps the cached traces)."""
+    import ast
+
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def install_trace_cache(cache_dir: Path, row: Row, config: Any, device: Any) -> None:
+    """Serve ``max_batch_size``'s traces from ``cache_dir`` (one pickle per row setting and
+    batch size, keyed by :func:`tracing_source_hash`), tracing and storing on a miss.
+
+    Everything after the trace (the allocator replay of the step, the solver, the kernel
+    limits' check on the traced launches) runs as without the cache, so a rerun after a
+    change outside the tracing code costs the replays only. Patched in the row's child
+    process, before ``max_batch_size`` forks its trace worker.
+    """
+    import hashlib
+
+    from batchfit.answers import maxbatch
+
+    real = maxbatch.trace_step
+    base = f"{tracing_source_hash()}|{row.set}|{row.model}|{row.img_size}|{config!r}|{device!r}"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+
+    def cached_trace_step(model: Any, inputs: Any, batch_size: int, *args: Any, **kwargs: Any
+                          ) -> Any:
+        name = hashlib.sha256(f"{base}|{batch_size}".encode()).hexdigest()[:24]
+        path = cache_dir / f"{row.model}-{row.img_size}-{name}.pkl"
+        if path.exists():
+            with path.open("rb") as handle:
+                return pickle.load(handle)
+        traced = real(model, inputs, batch_size, *args, **kwargs)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        with tmp.open("wb") as handle:
+            pickle.dump(traced, handle)
+        tmp.replace(path)
+        return traced
+
+    maxbatch.trace_step = cached_trace_step
+
+
+def predict_row(row: Row, trace_cache: Path | None = None) -> dict[str, Any]:
     """``batchfit.max_batch_size`` for one row, in this process."""
     import functools
 
@@ -219,6 +291,8 @@ def predict_row(row: Row) -> dict[str, Any]:
     config = batchfit.TrainConfig(**settings)
     factory = functools.partial(build_timm, row.model, row.set != "T")
     device = device_for(row)
+    if trace_cache is not None:
+        install_trace_cache(trace_cache, row, config, device)
     start = time.perf_counter()
     result = batchfit.max_batch_size(factory, (3, row.img_size, row.img_size), config,
                                      device=device, max_batch_limit=row.start_size)
@@ -242,7 +316,7 @@ def predict_row(row: Row) -> dict[str, Any]:
     }
 
 
-def run_in_child(row: Row, timeout_s: float) -> dict[str, Any]:
+def run_in_child(row: Row, timeout_s: float, trace_cache: Path | None = None) -> dict[str, Any]:
     """``predict_row`` in a forked child (own memory, killed after ``timeout_s``)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -251,7 +325,7 @@ def run_in_child(row: Row, timeout_s: float) -> dict[str, Any]:
         os.setpgid(0, 0)  # its own group, so a timeout also stops its trace worker
         try:
             try:
-                payload: dict[str, Any] = predict_row(row)
+                payload: dict[str, Any] = predict_row(row, trace_cache)
             except Exception as exc:  # noqa: BLE001 - recorded with the row
                 payload = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
             data = pickle.dumps(payload)
@@ -415,6 +489,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", metavar="TAG", help="only print the report of a cached run")
     parser.add_argument("--compare", metavar="TAG", help="before/after table against this run")
     parser.add_argument("--retry-errors", action="store_true", help="predict errored rows again")
+    parser.add_argument("--rows-from", metavar="JSONL", type=Path,
+                        help="only the rows (their 'key') of this results file, e.g. another tag's")
+    parser.add_argument("--trace-cache", metavar="DIR", type=Path,
+                        help="keep each row's traces here (outside the repo) and reuse them")
     args = parser.parse_args(argv)
 
     tag = args.report or args.tag or default_tag()
@@ -430,10 +508,13 @@ def main(argv: list[str] | None = None) -> None:
         rows = [r for r in rows if re.search(args.models, r.model)]
     if args.sample:
         rows = stratified_sample(rows, min(args.sample, len(rows)))
+    if args.rows_from:
+        keys = set(load_cache(args.rows_from))
+        rows = [r for r in rows if r.key in keys]
     if not args.report:
         todo = [r for r in rows if r.key not in cached
                 or (args.retry_errors and "error" in cached[r.key])]
-        _predict_all(todo, cached, cache_path, args.jobs, args.timeout)
+        _predict_all(todo, cached, cache_path, args.jobs, args.timeout, args.trace_cache)
     results = [cached[r.key] for r in rows if r.key in cached]
     text = report(results, tag)
     if args.compare:
@@ -445,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _predict_all(todo: list[Row], cached: dict[str, dict[str, Any]], cache_path: Path,
-                 jobs: int, timeout_s: float) -> None:
+                 jobs: int, timeout_s: float, trace_cache: Path | None = None) -> None:
     if not todo:
         return
     try:
@@ -465,7 +546,7 @@ def _predict_all(todo: list[Row], cached: dict[str, dict[str, Any]], cache_path:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, cache_path.open("a") as out:
-        futures = {pool.submit(run_in_child, row, timeout_s): row for row in queue}
+        futures = {pool.submit(run_in_child, row, timeout_s, trace_cache): row for row in queue}
         from concurrent.futures import as_completed
 
         for future in as_completed(futures):

@@ -82,3 +82,57 @@ def test_a_step_that_reuses_its_segments_exactly_needs_no_more_in_a_loop():
 def test_the_cpu_replay_is_not_looped():
     cpu = DeviceProfile.cpu()
     assert needed_bytes(STEP, cpu) == 42 * MiB  # s + t live together; the CPU frees at once
+
+
+def _workspace(key: int, mib: int, kind: EventKind) -> Event:
+    return Event(kind, key, mib * MiB, Category.TEMPORARIES, "m",
+                 "cudnn workspace (aten.convolution.default)", Phase.FORWARD)
+
+
+# a (10 MiB) lives while a convolution asks for a 12 MiB workspace; then b (10 MiB).
+CONV_STEP = [_alloc(1, 10), _workspace(2, 12, EventKind.ALLOC), _workspace(2, 12, EventKind.FREE),
+             _free(1, 10), _alloc(3, 10), _free(3, 10)]
+
+
+def test_a_cudnn_workspace_that_does_not_fit_falls_back_instead_of_failing_the_step():
+    # torch catches the OutOfMemoryError of a benchmarked convolution's workspace and runs
+    # another algorithm (Conv_v7.cpp AlgoIterator::try_all, Conv_v8.cpp try_plans).
+    # Under 10 MiB: a gets a 10 MiB segment (requests >= 10 MiB get their own size); the
+    # workspace's cudaMalloc(12) fails, no segment is wholly free to release, so it is
+    # skipped; b takes a's cached 10 MiB block. Both steps of the loop alike: 10 MiB.
+    assert needed_bytes(CONV_STEP, DEV) == 10 * MiB
+    assert fits_within(CONV_STEP, DEV, 10 * MiB)
+    # The same 12 MiB as an ordinary temporary must fit: 10 + 12 = 22 MiB (then b takes
+    # a's block, the loop's second step finds both blocks cached).
+    plain = [Event(e.kind, e.key, e.nbytes, e.category, e.module, "op", e.phase) for e in CONV_STEP]
+    assert needed_bytes(plain, DEV) == 22 * MiB
+    assert not fits_within(plain, DEV, 20 * MiB)
+
+
+def test_a_workspace_that_fits_is_allocated_and_held_in_the_cache():
+    # With room (22 MiB) the workspace gets its segment; the timeline's peak counts it.
+    assert replay_events(CONV_STEP, DEV).peak_reserved_bytes == 22 * MiB
+
+
+# a (14 MiB) with a 20 MiB workspace, then b (16 MiB) and another 20 MiB workspace.
+TWO_CONVS = [_alloc(1, 14), _workspace(2, 20, EventKind.ALLOC), _workspace(2, 20, EventKind.FREE),
+             _alloc(3, 16), _free(1, 14), _workspace(4, 20, EventKind.ALLOC),
+             _workspace(4, 20, EventKind.FREE), _free(3, 16)]
+
+
+def test_with_fallible_workspaces_more_room_can_fail_and_the_answer_is_above_every_failure():
+    # 34 MiB. Step 1: a gets 14; the first workspace fits (14 + 20 = 34) and leaves its
+    # 20 MiB segment W cached; b (16) takes W by best fit and splits it; the second
+    # workspace cannot have 20 more (releasing a's freed 14 leaves 20 + 20 > 34): skipped.
+    # b frees, W is whole. Step 2: a (14) splits W; the first workspace is skipped (20 + 20
+    # > 34, W is not wholly free); b (16) needs a new segment: 36 > 34, nothing to
+    # release: out of memory.
+    assert not fits_within(TWO_CONVS, DEV, 34 * MiB)
+    # 32 MiB. Step 1: the first workspace is skipped (34 > 32), b gets its own 16 MiB
+    # segment, the second is skipped (a's 14 released, 16 + 20 > 32). Step 2: a splits
+    # b's cached 16 MiB block, both workspaces are skipped, b gets a new 16: 32. Fits.
+    assert fits_within(TWO_CONVS, DEV, 32 * MiB)
+    # 36 MiB: as at 34, but step 2's b fits its new segment (20 + 16 = 36). The answer is
+    # the least capacity above which every capacity fits (checked one by one here).
+    assert needed_bytes(TWO_CONVS, DEV) == 36 * MiB
+    assert all(fits_within(TWO_CONVS, DEV, mib * MiB) for mib in range(36, 80, 2))

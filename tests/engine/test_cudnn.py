@@ -60,6 +60,19 @@ def test_split_batch_gives_one_pieces_workspace():
     assert benchmark_workspace_bytes(CONV, fwd_args(x, w), [y], (8, 0)) == 113 * per_sample
 
 
+def test_the_v8_api_transposes_the_whole_batch():
+    # torch >= 2.0 (cuDNN v8 API by default, pytorch/pytorch#91117): Conv_v8.cpp runs the
+    # whole tensors (no split_batch_dim_to_32bit_out), so all 1024 samples' input + output.
+    from batchfit.engine.stack import Stack
+
+    x, w, y = meta(1024, 96, 192, 128), meta(96, 96, 3, 3), meta(1024, 96, 192, 128)
+    per_sample = 2 * 96 * 192 * 128 * 2
+    assert benchmark_workspace_bytes(CONV, fwd_args(x, w), [y], (8, 0),
+                                     splits_batch=False) == 1024 * per_sample
+    assert not Stack.parse(torch_version="2.0", cuda_version="11.8").cudnn_splits_batch
+    assert Stack.parse(torch_version="1.13", cuda_version="11.7").cudnn_splits_batch
+
+
 def test_trace_allocates_the_workspace_at_the_convolution():
     # One 3x3 convolution, batch 8, 64 channels at 56x56, amp-fp16 inference on an A100:
     # the fp16 input copy and the fp16 output are 8*64*56*56*2 = 3,211,264 B each.

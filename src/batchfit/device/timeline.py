@@ -28,6 +28,8 @@ from batchfit.engine.tracer import Category, Event, EventKind, Phase
 
 _WORKSPACE_KEY = -1
 _SEGMENT_UNIT = 2 * 1024 * 1024  # every segment is a multiple of this
+#: The op name prefix of a cuDNN workspace event (batchfit.engine.tracer).
+WORKSPACE_OP = "cudnn workspace"
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,9 @@ def needed_bytes(events: Sequence[Event], device: DeviceProfile, loop: bool = Tr
     if loop:
         events = loop_events(events)[0]
     allocated, reserved = _replay_cuda(events, device.workspace_bytes, None)
-    return _smallest_capacity(events, device.workspace_bytes, max(allocated), max(reserved))
+    if not any(is_fallible(e) for e in events):
+        return _smallest_capacity(events, device.workspace_bytes, max(allocated), max(reserved))
+    return _smallest_capacity_fallible(events, device.workspace_bytes, max(reserved))
 
 
 def fits_within(events: Sequence[Event], device: DeviceProfile, limit_bytes: int) -> bool:
@@ -184,6 +188,18 @@ def fits_within(events: Sequence[Event], device: DeviceProfile, limit_bytes: int
         return peak_live_bytes(events) <= limit_bytes
     capacity = limit_bytes // _SEGMENT_UNIT * _SEGMENT_UNIT
     return capacity > 0 and _fits(loop_events(events)[0], device.workspace_bytes, capacity)
+
+
+def is_fallible(event: Event) -> bool:
+    """Whether torch survives this allocation failing: a benchmarked cuDNN convolution's
+    workspace (:mod:`batchfit.engine.cudnn`). When the caching allocator cannot give it
+    (after releasing its cached blocks, as for any request), torch catches the
+    ``OutOfMemoryError`` and runs another algorithm instead: ``AlgoIterator::try_all``
+    in aten/src/ATen/native/cudnn/Conv_v7.cpp, ``run_single_conv``/``try_plans`` in
+    Conv_v8.cpp (``catch (c10::OutOfMemoryError& e)``). The replay then goes on without
+    that workspace (the fallback's is taken as none: cuDNN's implicit-GEMM algorithms
+    need no workspace)."""
+    return event.op.startswith(WORKSPACE_OP)
 
 
 def peak_live_bytes(events: Sequence[Event]) -> int:
@@ -216,7 +232,11 @@ def _replay_cuda(events: Sequence[Event], workspace_bytes: int, capacity: int | 
     reserved: list[int] = []
     for event in events:
         if event.kind is EventKind.ALLOC:
-            handles[event.key] = allocator.malloc(event.nbytes)
+            try:
+                handles[event.key] = allocator.malloc(event.nbytes)
+            except AllocatorOutOfMemory:
+                if not is_fallible(event):
+                    raise
         elif event.kind is EventKind.FREE:
             handle = handles.pop(event.key, None)
             if handle is not None:
@@ -239,6 +259,32 @@ def _smallest_capacity(events: Sequence[Event], workspace_bytes: int, low: int, 
     return hi * unit
 
 
+def _smallest_capacity_fallible(events: Sequence[Event], workspace_bytes: int, high: int) -> int:
+    """The least capacity above which the replay fits, with fallible workspaces.
+
+    Fitting is not monotone in the capacity then: with more room a workspace is
+    allocated, and the blocks it leaves cached can fragment what follows (as in torch),
+    so the step can fail at a capacity above one where it fits. The bisection's answer
+    is checked at capacities 1, 2, 4, ... segments above it; from the largest that
+    fails the search starts again, until none fails. A solver asking "does it fit in
+    the budget" then gets the same answer from this number as from :func:`fits_within`
+    (up to capacities between two checks).
+    """
+    unit = _SEGMENT_UNIT
+    low = peak_live_bytes([e for e in events if not is_fallible(e)])  # fails below this
+    needed = _smallest_capacity(events, workspace_bytes, low, high)
+    while True:
+        failing = None
+        step = unit
+        while needed + step < high:
+            if not _fits(events, workspace_bytes, needed + step):
+                failing = needed + step
+            step *= 2
+        if failing is None:
+            return needed
+        needed = _smallest_capacity(events, workspace_bytes, failing + 1, high)
+
+
 def _fits(events: Sequence[Event], workspace_bytes: int, capacity: int) -> bool:
     """Whether the replay runs within ``capacity`` (no timeline kept: the hot loop)."""
     allocator = CachingAllocator(capacity)
@@ -250,7 +296,11 @@ def _fits(events: Sequence[Event], workspace_bytes: int, capacity: int) -> bool:
             malloc(workspace_bytes)
         for event in events:
             if event.kind is alloc_kind:
-                handles[event.key] = malloc(event.nbytes)
+                try:
+                    handles[event.key] = malloc(event.nbytes)
+                except AllocatorOutOfMemory:
+                    if not is_fallible(event):
+                        raise
             elif event.kind is free_kind:
                 handle = handles.pop(event.key, None)
                 if handle is not None:

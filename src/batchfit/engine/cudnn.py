@@ -25,7 +25,9 @@ its ``grad_output`` plus its input (backward: the data gradient transposes
 ``grad_output``; the two run one after the other, so the larger pair counts). Where
 torch splits the batch into 32-bit pieces (``split_batch_dim_to_32bit_out`` in
 ConvShared.cpp: at most 256 M elements per piece forward, 128 M for the data gradient,
-512 M for the filter gradient) the workspace is one piece's. Channels-last tensors
+512 M for the filter gradient) the workspace is one piece's. Only the cuDNN v7 path
+splits (torch < 2.0); the v8 API, torch's default from 2.0, runs the whole tensors
+(``Stack.cudnn_splits_batch``). Channels-last tensors
 (input or weight: ``cudnn_conv_suggest_memory_format`` then runs the convolution in NHWC)
 need no transposition and get no workspace here; neither do convolutions torch runs
 outside cuDNN (native depthwise, :mod:`batchfit.engine.limits`) nor fp32 ones.
@@ -35,7 +37,11 @@ v8 heuristics mode); their workspaces are not modelled (as before this module).
 
 The workspace enters the allocator replay as one allocation freed right away, placed
 after the convolution's outputs (torch allocates the output, then the workspace inside
-the call), tagged ``temporaries`` with the op ``cudnn workspace (<op>)``.
+the call), tagged ``temporaries`` with the op ``cudnn workspace (<op>)``. The replay
+treats it as torch does: an allocation that may fail (:func:`batchfit.device.timeline.
+is_fallible`): when the caching allocator cannot give it, the call falls back to an
+algorithm without a workspace and the step goes on. So a workspace costs memory only
+while there is room for it, and through the cached blocks it leaves behind.
 
 Example:
     >>> import torch
@@ -83,7 +89,7 @@ def _piece_fraction(a: torch.Tensor, b: torch.Tensor, max_elements: int) -> floa
 
 def benchmark_workspace_bytes(op: str, args: tuple, outputs: list[torch.Tensor],
                               compute_capability: tuple[int, int],
-                              routed_to_cudnn: bool = True) -> int:
+                              routed_to_cudnn: bool = True, splits_batch: bool = True) -> int:
     """The transient workspace of one benchmarked cuDNN convolution call (see above).
 
     Args:
@@ -93,6 +99,9 @@ def benchmark_workspace_bytes(op: str, args: tuple, outputs: list[torch.Tensor],
         outputs: its output tensors.
         compute_capability: the target GPU's, e.g. ``(8, 6)``.
         routed_to_cudnn: False when torch runs the convolution natively (depthwise).
+        splits_batch: torch splits tensors past 2**31 - 1 elements into batch pieces (the
+            cuDNN v7 path, torch < 2.0: :attr:`batchfit.engine.stack.Stack.cudnn_splits_batch`);
+            the v8 path transposes the whole tensors.
     """
     if not routed_to_cudnn or compute_capability < (7, 0):
         return 0
@@ -103,7 +112,7 @@ def benchmark_workspace_bytes(op: str, args: tuple, outputs: list[torch.Tensor],
         if (y is None or transposed or x.dim() != 4 or x.dtype not in _HALF
                 or _channels_last(x) or _channels_last(w)):
             return 0
-        fraction = _piece_fraction(x, y, _SPLIT_ELEMENTS["forward"])
+        fraction = _piece_fraction(x, y, _SPLIT_ELEMENTS["forward"]) if splits_batch else 1.0
         return int((_nbytes(x) + _nbytes(y)) * fraction)
     if op == "aten.convolution_backward.default":
         grad_output, x, w = args[0], args[1], args[2]
@@ -112,7 +121,8 @@ def benchmark_workspace_bytes(op: str, args: tuple, outputs: list[torch.Tensor],
                 or _channels_last(w)):
             return 0
         fraction = min(_piece_fraction(x, grad_output, _SPLIT_ELEMENTS["backward_input"]),
-                       _piece_fraction(x, grad_output, _SPLIT_ELEMENTS["backward_weight"]))
+                       _piece_fraction(x, grad_output, _SPLIT_ELEMENTS["backward_weight"])
+                       ) if splits_batch else 1.0
         return int((_nbytes(grad_output) + _nbytes(x)) * fraction)
     return 0
 

@@ -224,6 +224,16 @@ class Stack:
         return self.torch_version < (1, 11)
 
     @property
+    def cudnn_splits_batch(self) -> bool:
+        """cuDNN convolutions on tensors past 2**31 - 1 elements run in 32-bit batch pieces
+        (torch < 2.0). From torch 2.0 the cuDNN v8 API is on by default (pytorch/pytorch
+        #91117; ``cudnnv8_enabled_check_debug`` in ATen/native/ConvUtils.h reads
+        ``TORCH_CUDNN_V8_API_DISABLED``), and Conv_v8.cpp's
+        ``raw_cudnn_convolution_forward_out``/``backward_*_out`` call ``run_single_conv``
+        on the whole tensors: only the v7 path calls ``split_batch_dim_to_32bit_out``."""
+        return self.torch_version < (2, 0)
+
+    @property
     def has_sdpa(self) -> bool:
         """``F.scaled_dot_product_attention`` and its fused kernels exist (torch >= 2.0)."""
         return self.torch_version >= (2, 0)

@@ -374,7 +374,8 @@ class Tracer:
                              where: str) -> None:
         """A benchmarked cuDNN convolution's workspace: allocated and freed in the call."""
         routed = is_routed_to_cudnn(name, args, self._stack)
-        nbytes = benchmark_workspace_bytes(name, args, outputs, self._cudnn_benchmark, routed)
+        nbytes = benchmark_workspace_bytes(name, args, outputs, self._cudnn_benchmark, routed,
+                                           splits_batch=self._stack.cudnn_splits_batch)
         if nbytes > 0:
             uid = next(_UIDS)
             for kind in (EventKind.ALLOC, EventKind.FREE):
