@@ -261,7 +261,12 @@ def install_trace_cache(cache_dir: Path, row: Row, config: Any, device: Any) -> 
     from batchfit.answers import maxbatch
 
     real = maxbatch.trace_step
-    base = f"{tracing_source_hash()}|{row.set}|{row.model}|{row.img_size}|{config!r}|{device!r}"
+    # The trace does not read the device's memory (only the replay does): a change of the
+    # card's memory keeps the row's traces.
+    traced_device = {f.name: getattr(device, f.name) for f in dataclasses.fields(device)
+                     if f.name != "total_memory_bytes"}
+    base = (f"{tracing_source_hash()}|{row.set}|{row.model}|{row.img_size}|{config!r}|"
+            f"{traced_device!r}")
     cache_dir.mkdir(parents=True, exist_ok=True)
 
     def cached_trace_step(model: Any, inputs: Any, batch_size: int, *args: Any, **kwargs: Any
