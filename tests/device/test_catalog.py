@@ -624,3 +624,72 @@ def test_host_memory_available_reads_meminfo(tmp_path):
     meminfo.write_text("MemTotal:       65881152 kB\n")  # kernels before 3.14 lack the line
     assert host_memory_available_bytes(str(meminfo)) is None
     assert host_memory_available_bytes(str(tmp_path / "absent")) is None
+
+
+# --- what CUDA reports as the total (the driver keeps the rest) ---------------------
+
+
+def test_cuda_total_rows_have_a_source_and_sit_below_the_marketed_memory():
+    with_total = [g for g in load_catalog() if g.cuda_total_bytes is not None]
+    assert {g.key for g in with_total} >= {"rtx-3090", "rtx-4090", "rtx-5090", "v100-16gb",
+                                           "v100-32gb", "rtx-pro-6000-blackwell-max-q"}
+    for gpu in with_total:
+        assert urlparse(gpu.cuda_total_source).scheme == "https", gpu.key
+        # A few hundred MiB (24 GB cards) to about 1 GiB (96 GB cards) below.
+        assert 0.95 * gpu.memory_bytes < gpu.cuda_total_bytes < gpu.memory_bytes, gpu.key
+        assert gpu.usable_memory_bytes == gpu.cuda_total_bytes
+
+
+def test_a_3090_reports_23_70_gib_of_its_24():
+    gpu = find_gpu("RTX 3090")
+    # torch: "23.70 GiB total capacity"; 23.70 * 1024 = 24,268.8, rounded down to MiB.
+    assert gpu.usable_memory_bytes == 24_268 * 2**20 == 25_446_842_368
+    assert f"{gpu.usable_memory_bytes / GIB:.2f}" == "23.70"
+    assert gpu.memory_bytes == 24 * GIB  # the marketed figure, which names resolve by
+    assert find_gpu("RTX 3090 24GB") is gpu
+    assert gpu.to_dict()["cuda_total_bytes"] == 25_446_842_368
+
+
+def test_a_card_without_a_report_keeps_its_memory():
+    gpu = find_gpu("A100")
+    assert gpu.cuda_total_bytes is None and gpu.cuda_total_source == ""
+    assert gpu.usable_memory_bytes == gpu.memory_bytes == 80 * GIB
+
+
+def test_the_profile_of_a_catalog_card_has_what_cuda_reports():
+    from batchfit.device.profile import gpu_profile, resolve_device
+
+    assert resolve_device("RTX 3090").total_memory_bytes == 25_446_842_368
+    assert gpu_profile(find_gpu("A100")).total_memory_bytes == 80 * GIB
+
+
+def test_given_memory_is_the_total_cuda_would_report():
+    """--gpu NAME --memory SIZE: SIZE is the whole, nothing is kept back from it."""
+    from batchfit.device.profile import gpu_profile
+
+    card = find_gpu("RTX 3090").with_memory(24 * GIB)
+    assert card.cuda_total_bytes is None and card.usable_memory_bytes == 24 * GIB
+    assert gpu_profile(find_gpu("RTX 3090"), memory_bytes=24 * GIB).total_memory_bytes == 24 * GIB
+
+
+def test_max_budget_on_a_catalog_card_starts_from_what_cuda_reports():
+    import torch
+
+    import batchfit
+
+    result = batchfit.max_batch_size(lambda: torch.nn.Linear(64, 64), (64,), device="RTX 3090",
+                                     max_batch_limit=8)
+    assert result.memory_bytes == 25_446_842_368
+    # Less the lazy-loading context (512 MiB) and sm86's two 8.125 MiB cuBLAS workspaces.
+    assert result.budget_bytes == 25_446_842_368 - 536_870_912 - 2 * 8_519_680
+
+
+@pytest.mark.parametrize("mib, source, message", [
+    ("24268", "", "go together"), ("", "https://x", "go together"),
+    ("30000", "https://x", "at most memory_bytes"), ("0", "https://x", "positive")])
+def test_a_malformed_cuda_total_is_refused(mib, source, message):
+    from batchfit.device.catalog import _parse_cuda_total
+
+    with pytest.raises(ValueError, match=message):
+        _parse_cuda_total({"cuda_total_mib": mib, "cuda_total_source": source,
+                           "memory_bytes": str(24 * GIB)})

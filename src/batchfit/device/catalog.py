@@ -27,6 +27,16 @@ Conventions of the table:
   "AI TOPS" (FP4 with sparsity) the tensor rates are divided down from it.
 - Where CUDA reports much less than the marketed figure (B300: 288 GB marketed,
   268.6 GiB reported), the row holds what CUDA reports, rounded down to whole GiB.
+- ``cuda_total_mib`` is what CUDA reports as the card's total where a public report gives
+  it (``cuda_total_source``, the URL): torch's "total capacity" in its out-of-memory
+  message, which is ``cudaMemGetInfo``'s total (``torch.cuda.mem_get_info()[1]``, and
+  ``get_device_properties().total_memory``). The driver keeps the rest of the marketed
+  memory for itself (``nvidia-smi -q`` shows it as "Reserved" on recent drivers, and
+  counts it in its "Total"): an RTX 3090 reports 23.70 GiB of 24. The figure is torch's
+  two-decimal GiB times 1024, rounded down to whole MiB. It moves a little with the driver
+  (newer drivers keep more: 3090 reports range from 23.70 down to 23.57 GiB); a row holds
+  the largest figure its reports show, so no driver keeps less than the row assumes. A row
+  without one (no public report found) uses ``memory_bytes``, as before.
 - Boards with two dies that PyTorch shows as two devices (Tesla K80, AMD
   MI250/MI250X) have one row per device, with that device's share.
 - AMD rows give compute units in ``sm_count``, the gfx architecture in
@@ -101,6 +111,10 @@ class GPU:
         unified_memory: the GPU shares its memory with the CPU (Jetson): the OS and
             every CPU process, the training process's own host memory included, take
             from ``memory_bytes`` too.
+        cuda_total_bytes: what CUDA reports as the card's total (``cudaMemGetInfo``,
+            torch's "total capacity"), from ``cuda_total_source``; None where no public
+            report gives it (then ``memory_bytes`` stands for it).
+        cuda_total_source: the URL of the report ``cuda_total_bytes`` comes from.
     """
 
     name: str
@@ -115,6 +129,20 @@ class GPU:
     aliases: tuple[str, ...]
     source: str
     unified_memory: bool = False
+    cuda_total_bytes: int | None = None
+    cuda_total_source: str = ""
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        """The memory a process can allocate from, context included: what CUDA reports as
+        the total where the catalog has it, else ``memory_bytes``.
+
+        Example:
+            >>> from batchfit.device.catalog import find_gpu
+            >>> find_gpu("RTX 3090").usable_memory_bytes // 2**20  # 23.70 GiB of 24
+            24268
+        """
+        return self.cuda_total_bytes if self.cuda_total_bytes is not None else self.memory_bytes
 
     def with_memory(self, memory_bytes: int) -> GPU:
         """This card's architecture (compute capability, SMs, rates, bandwidth) with other
@@ -130,7 +158,9 @@ class GPU:
                 or memory_bytes <= 0 or memory_bytes != int(memory_bytes)):
             raise InvalidInputError(
                 f"memory_bytes must be a positive number of bytes, not {memory_bytes!r}")
-        return replace(self, memory_bytes=int(memory_bytes))
+        # The given memory is the whole: what CUDA would report for it.
+        return replace(self, memory_bytes=int(memory_bytes), cuda_total_bytes=None,
+                       cuda_total_source="")
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickle (a trace worker sends estimates back): the read-only rates as a dict."""
@@ -154,6 +184,8 @@ class GPU:
             "aliases": list(self.aliases),
             "source": self.source,
             "unified_memory": self.unified_memory,
+            "cuda_total_bytes": self.cuda_total_bytes,
+            "cuda_total_source": self.cuda_total_source,
         }
 
 
@@ -345,7 +377,20 @@ def _parse_row(row: Mapping[str, str]) -> GPU:
         aliases=tuple(a.strip() for a in row["aliases"].split("|") if a.strip()),
         source=row["source"].strip(),
         unified_memory=_parse_flag(row["unified_memory"]),
+        **_parse_cuda_total(row),
     )
+
+
+def _parse_cuda_total(row: Mapping[str, str]) -> dict[str, Any]:
+    mib, source = row["cuda_total_mib"].strip(), row["cuda_total_source"].strip()
+    if bool(mib) != bool(source):
+        raise ValueError("cuda_total_mib and cuda_total_source go together")
+    if not mib:
+        return {}
+    total = int(mib) * 2**20
+    if not 0 < total <= int(row["memory_bytes"]):
+        raise ValueError(f"cuda_total_mib {mib} must be positive and at most memory_bytes")
+    return {"cuda_total_bytes": total, "cuda_total_source": source}
 
 
 def _parse_flag(text: str) -> bool:

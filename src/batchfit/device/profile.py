@@ -190,7 +190,9 @@ def gpu_profile(gpu: Any, memory_bytes: int | None = None, *,
     count and cuBLAS workspaces (which depend on the architecture), and its memory.
 
     Args:
-        gpu: a catalog card (``find_gpu``) or a live one (``live_gpu``).
+        gpu: a catalog card (``find_gpu``) or a live one (``live_gpu``). The profile's
+            memory is what CUDA reports as the card's total
+            (:attr:`~batchfit.device.catalog.GPU.usable_memory_bytes`).
         memory_bytes: that card's architecture with this much memory instead of its own
             (a memory variant the catalog lacks, or the share of a card you may use).
         context_bytes: the CUDA context (default :data:`DEFAULT_CONTEXT_BYTES`).
@@ -208,7 +210,10 @@ def gpu_profile(gpu: Any, memory_bytes: int | None = None, *,
     if memory_bytes is not None:
         gpu = gpu.with_memory(memory_bytes)
     cc = gpu.compute_capability or (9, 0)
-    profile = DeviceProfile.cuda(gpu.memory_bytes, cc, name=gpu.name, sm_count=gpu.sm_count,
+    # What CUDA reports as the total where the catalog has it (the driver keeps the rest of
+    # the marketed memory); ``memory_bytes`` given here is that total.
+    total = getattr(gpu, "usable_memory_bytes", gpu.memory_bytes)
+    profile = DeviceProfile.cuda(total, cc, name=gpu.name, sm_count=gpu.sm_count,
                                  context_bytes=context_bytes)
     if memory_bytes is not None:
         _check_room_for_overheads(profile)

@@ -61,11 +61,14 @@ MiB = 1 << 20
 
 #: CUDA context with lazy module loading: the default DeviceProfile context (torch's
 #: kernels measured at 287 MB lazily loaded, pytorch/pytorch#86509; ~300-430 MB after a
-#: few ops, #107667, #109888; the kernels a step uses load on top).
+#: few ops, #107667, #109888; the kernels a step uses load on top). #86509 measured
+#: cudaMemGetInfo's total - free, and that total already leaves out what the driver keeps
+#: (the catalog's ``cuda_total_mib``), so the two are subtracted without counting twice.
 LAZY_CONTEXT_BYTES = 512 * MiB
 #: CUDA context without lazy loading: 1,343 MB measured by nvidia-smi on a V100 with
 #: torch 1.10 after the first CUDA tensor (Hugging Face transformers docs, "Model
-#: training anatomy"). nvidia-smi's "MB" are MiB.
+#: training anatomy"). nvidia-smi's "MB" are MiB. It is NVML's ``used`` on a card that
+#: showed "0 MB" before: the increase, without what the driver keeps (not counted twice).
 EAGER_CONTEXT_BYTES = 1343 * MiB
 
 #: torch releases: the CUDA versions of their official wheels and the cuDNN those wheels
