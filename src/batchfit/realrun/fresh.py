@@ -250,37 +250,20 @@ def child_main(argv: Sequence[str] | None = None) -> None:
 
 
 def _prepare_and_run(path: str) -> dict[str, Any] | None:
-    import gc
-
     with open(path, "rb") as source:
         setup_data = pickle.load(source)
     sys.path[:] = setup_data["sys_path"]
     with contextlib.suppress(OSError):
         os.chdir(setup_data["cwd"])
-    import torch
-
-    from batchfit.realrun.trial import _run_steps, _StepSetup, is_out_of_memory, vm_data_bytes
-    from batchfit.realrun.trial_server import (
-        _build_from_source,
-        _load_request,
-        _one_line,
-        _warm_up,
-    )
+    from batchfit.realrun.trial import _run_steps, is_out_of_memory, vm_data_bytes
+    from batchfit.realrun.trial_server import _load_request, _one_line, _PreparedTrial
 
     # unpickled after sys.path is the caller's (and, for a factory in the caller's
     # script, after that script is imported as multiprocessing's spawn imports it)
     request = _load_request(setup_data["request"], setup_data["main_path"])
-    if request.num_threads != torch.get_num_threads():  # the caller's, if it changed them
-        torch.set_num_threads(request.num_threads)
-    torch.manual_seed(0)
-    setup = _StepSetup.of(request.inputs, request.config, torch.device("cpu"))
-    model = setup.prepare(_build_from_source(request.model, setup))
-    generator = torch.Generator().manual_seed(0)
-    runner = setup.runner(model, None, generator)
-    _warm_up(runner, setup, generator)
-    runner.drop_gradients()
-    runner.batch = ((), {})
-    gc.collect()
+    # the caller's thread count only if it changed it: otherwise torch's own default
+    prepared = _PreparedTrial.build(request, pin_threads=False)
+    runner, setup, generator = prepared.runner, prepared.setup, prepared.generator
     data = b""
     while len(data) < 8:
         chunk = os.read(0, 8 - len(data))

@@ -655,8 +655,12 @@ class _PreparedTrial:
     generator: torch.Generator
 
     @classmethod
-    def build(cls, request: TrialRequest) -> _PreparedTrial:
-        torch.set_num_threads(request.num_threads)  # a template: 1 (see _template_main)
+    def build(cls, request: TrialRequest, *, pin_threads: bool = True) -> _PreparedTrial:
+        """``pin_threads``: set the request's thread count even where it is the process's
+        already (a template: 1, see _template_main); False leaves a fresh interpreter's
+        own setting alone unless the caller had changed it (realrun/fresh.py)."""
+        if pin_threads or request.num_threads != torch.get_num_threads():
+            torch.set_num_threads(request.num_threads)
         torch.manual_seed(0)
         setup = _StepSetup.of(request.inputs, request.config, torch.device("cpu"))
         model = setup.prepare(_build_from_source(request.model, setup))
