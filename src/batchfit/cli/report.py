@@ -142,9 +142,12 @@ def render_max_batch(result: Any, model: str) -> Group:
     if result.margin:
         budget.add_row(f"- margin {result.margin:.0%}", format_bytes(result.memory_bytes * result.margin))
     budget.add_row("= budget for the step", format_bytes(result.budget_bytes))
-    budget.add_row(f"needed at B={result.max_batch_size}", format_bytes(result.total_bytes_at_max))
+    # what the device needs, context and workspaces included: compared with "device
+    # memory" (the step alone is compared with the budget)
+    budget.add_row(f"device memory needed at B={result.max_batch_size}",
+                   format_bytes(result.total_bytes_at_max))
     if result.total_bytes_at_next is not None:
-        budget.add_row(f"needed at B={result.max_batch_size + 1}",
+        budget.add_row(f"device memory needed at B={result.max_batch_size + 1}",
                        format_bytes(result.total_bytes_at_next))
     lines.append(budget)
     stack = getattr(result, "stack", None)
