@@ -163,9 +163,7 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
     names = list(strategies or DEFAULT_STRATEGIES + (("hsdp",) if nodes > 1 else ()))
     facts = _model_facts(model, inputs, config)
     speed = _Speed(model, inputs, card)
-    from batchfit.engine.trace import TraceReuse
-
-    shared = _Shared(TraceReuse())  # the meta model, built once for all layouts
+    shared = _Shared()  # the meta model, built once for all layouts
     rows = []
     for strategy in names:
         for tp in ([1] if strategy != "fsdp" else [1, *tp_degrees]):
@@ -272,7 +270,7 @@ def _largest_divisor_that_fits(model: Any, inputs: Any, config: TrainConfig, dev
     divisors = [b for b in range(1, per_replica + 1) if per_replica % b == 0]
     reuse = TraceReuse()
     if shared is not None and config.workload is None:
-        reuse.meta_model = shared.reuse.meta_model
+        reuse.meta_model = shared.meta_model
     sizes: dict[int, int] = {}
 
     def need(batch: int) -> int:
@@ -285,8 +283,8 @@ def _largest_divisor_that_fits(model: Any, inputs: Any, config: TrainConfig, dev
     slope = shared.slopes.get(config.checkpointing) if shared is not None else None
     answer = largest_fitting_divisor(divisors, need, device.total_memory_bytes, slope)
     if shared is not None:
-        if shared.reuse.meta_model is None and isinstance(reuse.meta_model, nn.Module):
-            shared.reuse.meta_model = reuse.meta_model
+        if shared.meta_model is None and isinstance(reuse.meta_model, nn.Module):
+            shared.meta_model = reuse.meta_model
         measured = _slope(sizes, answer)
         if measured is not None:
             shared.slopes[config.checkpointing] = measured
@@ -298,7 +296,7 @@ class _Shared:
     """What a plan's layouts lend each other: the model on meta, and the bytes per sample
     each checkpointing setting measured (a first guess for the next layout)."""
 
-    reuse: Any
+    meta_model: Any = None
     slopes: dict[bool, float] = field(default_factory=dict)
 
 
