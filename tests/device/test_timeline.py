@@ -109,9 +109,21 @@ def test_a_cudnn_workspace_that_does_not_fit_falls_back_instead_of_failing_the_s
     assert not fits_within(plain, DEV, 20 * MiB)
 
 
-def test_a_workspace_that_fits_is_allocated_and_held_in_the_cache():
-    # With room (22 MiB) the workspace gets its segment; the timeline's peak counts it.
-    assert replay_events(CONV_STEP, DEV).peak_reserved_bytes == 22 * MiB
+def test_the_breakdown_describes_the_step_at_the_capacity_the_solver_solved_with():
+    # One least-capacity rule for needed_bytes and replay_events. Unlimited, the workspace
+    # gets its 12 MiB segment (a 10 + 12 = 22 MiB reserved), but the step runs in 10 MiB
+    # (above): the breakdown's reserved peak is those 10 MiB, with a (10 MiB) alone held
+    # at the peak, the skipped workspace not counted, and no slack.
+    for loop in (True, False):
+        timeline = replay_events(CONV_STEP, DEV, loop=loop)
+        assert timeline.peak_reserved_bytes == needed_bytes(CONV_STEP, DEV, loop=loop) == 10 * MiB
+        assert timeline.peak_allocated_bytes == 10 * MiB
+        assert timeline.by_category[Category.ACTIVATIONS] == 10 * MiB
+        assert Category.TEMPORARIES not in timeline.by_category
+        assert timeline.by_category[Category.ALLOCATOR_SLACK] == 0
+    # TWO_CONVS (below) needs 36 MiB, where step 1's first workspace is allocated (14 + 20
+    # = 34 <= 36): the breakdown replays at 36 MiB, not the unlimited replay's 54 MiB.
+    assert replay_events(TWO_CONVS, DEV).peak_reserved_bytes == 36 * MiB
 
 
 # a (14 MiB) with a 20 MiB workspace, then b (16 MiB) and another 20 MiB workspace.

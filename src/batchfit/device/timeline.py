@@ -125,24 +125,31 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10,
     if not events:
         return Timeline((), (), (), 0, 0, -1, {}, (), Phase.SETUP, "", "")
     phases = tuple(event.phase for event in events)
+    skipped: set[int] = set()  # fallible workspaces the replay at the needed capacity skips
     if device.is_cuda:
         looped, mapping = loop_events(events) if loop else (list(events), range(len(events)))
-        allocated, reserved = _replay_cuda(looped, device.workspace_bytes, None)
-        needed = _smallest_capacity(looped, device.workspace_bytes, max(allocated), max(reserved))
-        if needed < max(reserved):
-            allocated, reserved = _replay_cuda(looped, device.workspace_bytes, needed)
+        needed, unlimited = _least_capacity(looped, device.workspace_bytes)
+        allocated, reserved = unlimited
+        # With fallible workspaces the step is described at the capacity it was solved
+        # with (a workspace the unlimited replay holds may be skipped there).
+        fallible = any(is_fallible(e) for e in looped)
+        if needed < max(reserved) or fallible:
+            allocated, reserved = _replay_cuda(looped, device.workspace_bytes, needed,
+                                               None if loop else skipped)
         peak_reserved = max(reserved)
         reserved = [reserved[i] for i in mapping]
         if loop:
             # The breakdown is taken where the step's own allocated memory peaks: the second
             # step can be handed cached blocks whole (unsplit), which moves its allocated
-            # peak to another op although the same tensors are alive.
-            allocated = _replay_cuda(events, device.workspace_bytes, None)[0]
+            # peak to another op although the same tensors are alive. The step alone is
+            # the loop's first part, so it runs within ``needed`` too.
+            allocated = _replay_cuda(events, device.workspace_bytes, needed if fallible else None,
+                                     skipped)[0]
         reserved[max(range(len(reserved)), key=reserved.__getitem__)] = peak_reserved
     else:
         allocated = reserved = _replay_cpu(events)
     peak_index = max(range(len(allocated)), key=allocated.__getitem__)
-    by_category, modules = _held_at(events, peak_index, device)
+    by_category, modules = _held_at(events, peak_index, device, skipped)
     if device.is_cuda:
         live = sum(by_category.values()) + device.workspace_bytes
         by_category[Category.ALLOCATOR_SLACK] = max(reserved) - live
@@ -173,10 +180,7 @@ def needed_bytes(events: Sequence[Event], device: DeviceProfile, loop: bool = Tr
         return max(_replay_cpu(events))
     if loop:
         events = loop_events(events)[0]
-    allocated, reserved = _replay_cuda(events, device.workspace_bytes, None)
-    if not any(is_fallible(e) for e in events):
-        return _smallest_capacity(events, device.workspace_bytes, max(allocated), max(reserved))
-    return _smallest_capacity_fallible(events, device.workspace_bytes, max(reserved))
+    return _least_capacity(events, device.workspace_bytes)[0]
 
 
 def fits_within(events: Sequence[Event], device: DeviceProfile, limit_bytes: int) -> bool:
@@ -221,9 +225,23 @@ def _replay_cpu(events: Sequence[Event]) -> list[int]:
     return allocated
 
 
-def _replay_cuda(events: Sequence[Event], workspace_bytes: int, capacity: int | None
-                 ) -> tuple[list[int], list[int]]:
-    """Allocated and reserved bytes after each event; raises AllocatorOutOfMemory."""
+def _least_capacity(events: Sequence[Event], workspace_bytes: int
+                    ) -> tuple[int, tuple[list[int], list[int]]]:
+    """The least capacity the (already looped) replay fits in, and the unlimited replay's
+    allocated and reserved bytes. The one rule both :func:`needed_bytes` (what a solver
+    solves with) and :func:`replay_events` (the breakdown) use, so that they agree."""
+    allocated, reserved = _replay_cuda(events, workspace_bytes, None)
+    if not any(is_fallible(e) for e in events):
+        needed = _smallest_capacity(events, workspace_bytes, max(allocated), max(reserved))
+    else:
+        needed = _smallest_capacity_fallible(events, workspace_bytes, max(reserved))
+    return needed, (allocated, reserved)
+
+
+def _replay_cuda(events: Sequence[Event], workspace_bytes: int, capacity: int | None,
+                 skipped: set[int] | None = None) -> tuple[list[int], list[int]]:
+    """Allocated and reserved bytes after each event; raises AllocatorOutOfMemory. The
+    keys of fallible allocations that did not fit are added to ``skipped``."""
     allocator = CachingAllocator(capacity)
     handles: dict[int, int] = {}
     if workspace_bytes:
@@ -237,6 +255,8 @@ def _replay_cuda(events: Sequence[Event], workspace_bytes: int, capacity: int | 
             except AllocatorOutOfMemory:
                 if not is_fallible(event):
                     raise
+                if skipped is not None:
+                    skipped.add(event.key)
         elif event.kind is EventKind.FREE:
             handle = handles.pop(event.key, None)
             if handle is not None:
@@ -310,14 +330,18 @@ def _fits(events: Sequence[Event], workspace_bytes: int, capacity: int) -> bool:
     return True
 
 
-def _held_at(events: Sequence[Event], index: int, device: DeviceProfile
+def _held_at(events: Sequence[Event], index: int, device: DeviceProfile,
+             skipped: set[int] = frozenset()  # type: ignore[assignment]
              ) -> tuple[dict[Category, int], dict[str, int]]:
-    """Live bytes by category and by module (activations and temporaries) after ``index``."""
+    """Live bytes by category and by module (activations and temporaries) after ``index``,
+    leaving out the ``skipped`` fallible workspaces (never allocated)."""
     from batchfit.device.allocator import round_size
 
     by_category: dict[Category, int] = {}
     modules: dict[str, int] = {}
     for event in alive_at_end(events[: index + 1]):
+        if event.key in skipped:
+            continue
         size = round_size(event.nbytes) if device.is_cuda and event.nbytes else event.nbytes
         category = event.category
         by_category[category] = by_category.get(category, 0) + size
