@@ -101,6 +101,34 @@ def test_native_depthwise_measures_its_largest_tensor():
                     TORCH_291_CU128) is None
 
 
+def test_native_depthwise_measures_the_contiguous_copy_it_is_handed_not_the_view():
+    # MambaOut's gated conv: a channel slice of fc1's NHWC output, permuted to NCHW.
+    # fc1 output 65 x 128 x 128 x 2048 fp16; the conv takes its last 384 channels:
+    # numel 65 * 384 * 128 * 128 = 408,944,640, but its largest offset is
+    # 64*128*128*2048 + 127*128*2048 + 127*2048 + 383 = 2,147,483,648 + 33,292,288
+    # + 260,096 + 383 = 2,181,036,415 >= 2**31 - 1.
+    fc1 = torch.empty(65, 128, 128, 2048, dtype=F16, device="meta")
+    x = fc1[..., 2048 - 384:].permute(0, 3, 1, 2)
+    assert x.numel() == 408_944_640
+    assert index_extent(x) == 2_181_036_416 > INT32_MAX
+    # routing reads the view (use_cudnn_depthwise(input, weight)): too big for 32-bit
+    # indexing, channels-last, cuDNN 9.13 -> the native kernel (#163171) ...
+    w = tensor(384, 1, 7, 7)
+    assert depthwise_backend(TORCH_291_CU130, x, w, stride=(1, 1), dilation=(1, 1)) == "native"
+    # ... which gets input.contiguous() (Convolution.cpp _convolution) and a contiguous
+    # output: 408,944,640 elements each, within 32-bit indexing.
+    out = tensor(65, 384, 128, 128)
+    args = (x, w, None, [1, 1], [3, 3], [1, 1], False, [0, 0], 384)
+    hit = check_op("aten.convolution.default", args, [out], TORCH_291_CU130)
+    assert hit is not None and hit.measure == 408_944_640 and not hit.exceeded
+    # 6 times the batch: 2,453,667,840 elements in the copy -> the kernel refuses it
+    big = torch.empty(390, 128, 128, 2048, dtype=F16, device="meta")[..., 2048 - 384:]
+    big = big.permute(0, 3, 1, 2)
+    hit = check_op("aten.convolution.default", (big,) + args[1:], [tensor(390, 384, 128, 128)],
+                   TORCH_291_CU130)
+    assert hit is not None and hit.measure == 390 * 384 * 128 * 128 == 2_453_667_840
+
+
 def test_ordinary_convolutions_have_no_rule():
     # groups=1: cuDNN with torch's split_batch_dim_to_32bit_out (ConvShared.cpp)
     x = tensor(*LARGE)

@@ -222,7 +222,13 @@ def _convolution(args: tuple, outputs: list[torch.Tensor], stack: Any) -> Kernel
         return None
     if depthwise_backend(stack, input, weight, stride=stride, dilation=dilation) != "native":
         return None
-    measure = max([index_extent(input)] + [index_extent(o) for o in outputs[:1]])
+    # The routing above reads the input as given (``use_cudnn_depthwise(input, weight)``),
+    # but the native kernel is handed ``input.contiguous()`` (Convolution.cpp ``_convolution``:
+    # ``case ConvBackend::CudaDepthwise2d: at::_conv_depthwise2d(input.contiguous(), ...)``)
+    # and allocates a contiguous output: its canUse32BitIndexMath sees their element counts,
+    # not the offsets of a strided view (MambaOut's channel slice of an NHWC tensor spans
+    # all of fc1's channels).
+    measure = max([input.numel()] + [o.numel() for o in outputs[:1]])
     return KernelLimit(LimitKind.INT32_INDEXING, measure, INT32_MAX - 1, "aten.convolution.default",
                        "native depthwise conv2d (conv_depthwise2d_forward_out)",
                        source=_DEPTHWISE_SOURCE)
