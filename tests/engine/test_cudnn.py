@@ -105,3 +105,55 @@ def test_only_convolutions_get_a_workspace_in_a_training_step_with_other_limited
              if e.op.startswith("cudnn workspace") and e.kind is EventKind.ALLOC]
     assert [(e.op, e.nbytes) for e in found] == [
         (f"cudnn workspace ({CONV})", 2 * 262_144), (f"cudnn workspace ({CONV_BACKWARD})", 2 * 262_144)]
+
+
+def test_a_convolution_copies_an_input_not_dense_in_its_backends_format():
+    # Convolution.cpp _convolution: the backend gets input.contiguous(backend_memory_format)
+    # (cuDNN: channels-last when input or weight suggests it) or input.contiguous()
+    # (native depthwise).
+    from batchfit.engine.cudnn import input_copy_bytes
+    from batchfit.engine.stack import Stack
+
+    torch24 = Stack.parse(stack="torch2.4+cu124")
+    w = meta(8, 8, 3, 3)
+    # dense NCHW or exact channels-last: passed as they are
+    assert input_copy_bytes(CONV, fwd_args(meta(2, 8, 4, 4), w), torch24) == 0
+    assert input_copy_bytes(CONV, fwd_args(meta(2, 8, 4, 4, channels_last=True),
+                                           meta(8, 8, 3, 3, channels_last=True)), torch24) == 0
+    # a channels-last weight makes cuDNN run channels-last: an NCHW input is copied,
+    # 2*8*4*4 elements * 2 B = 512 B
+    assert input_copy_bytes(CONV, fwd_args(meta(2, 8, 4, 4),
+                                           meta(8, 8, 3, 3, channels_last=True)), torch24) == 512
+    # MambaOut's gated conv input: the last 8 of 24 channels of an NHWC tensor, permuted;
+    # ordered like channels-last (so cuDNN), but not dense: copied, 2*8*4*4*2 = 512 B
+    sliced = torch.empty(2, 4, 4, 24, dtype=F16, device="meta")[..., 16:].permute(0, 3, 1, 2)
+    dw = meta(8, 1, 7, 7)
+    args = (sliced, dw, None, [1, 1], [3, 3], [1, 1], False, [0, 0], 8)
+    assert input_copy_bytes(CONV, args, torch24) == 512
+    # the same slice too big for 32-bit indexing on torch 2.9 + cuDNN 9.13 runs natively
+    # (limits.depthwise_backend) on input.contiguous(): 65*384*128*128 elements * 2 B
+    big = torch.empty(65, 128, 128, 2048, dtype=F16, device="meta")[..., 2048 - 384:]
+    big_args = (big.permute(0, 3, 1, 2), meta(384, 1, 7, 7)) + args[2:8] + (384,)
+    assert input_copy_bytes(CONV, big_args, Stack.parse(stack="torch2.9.1+cu130")) == \
+        65 * 384 * 128 * 128 * 2 == 817_889_280
+
+
+def test_trace_allocates_the_input_copy_at_the_convolution():
+    # fc (16 -> 48 features) on 8 x 4 x 4 positions, its last 16 channels permuted to NCHW
+    # into a 7x7 depthwise conv: the fp16 copy is 8*16*4*4*2 = 4,096 B, with or without
+    # the cuDNN benchmark.
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 48)
+            self.conv = nn.Conv2d(16, 16, 7, padding=3, groups=16)
+
+        def forward(self, x):
+            return self.conv(self.fc(x)[..., 32:].permute(0, 3, 1, 2))
+
+    device = batchfit.DeviceProfile.cuda(24 << 30, (8, 9))
+    config = TrainConfig(mode="infer", precision="amp-fp16", stack="torch2.4+cu124")
+    found = [e for e in trace_step(Gated, (4, 4, 16), 8, config, device).steady_events
+             if e.op == "contiguous input copy (aten.convolution.default)"]
+    assert [(e.kind, e.nbytes, e.module) for e in found] == [
+        (EventKind.ALLOC, 4096, "conv"), (EventKind.FREE, 4096, "conv")]

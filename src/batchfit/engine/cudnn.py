@@ -35,6 +35,11 @@ outside cuDNN (native depthwise, :mod:`batchfit.engine.limits`) nor fp32 ones.
 With benchmark off, cuDNN's heuristics choose (``cudnnGetConvolution*Algorithm_v7``,
 v8 heuristics mode); their workspaces are not modelled (as before this module).
 
+Whatever the benchmark setting, a convolution copies an input that is not dense in the
+memory format its backend runs in (:func:`input_copy_bytes`, ``input.contiguous(...)`` in
+Convolution.cpp ``_convolution``): a transient of the input's size, op
+``contiguous input copy (aten.convolution.default)``.
+
 The workspace enters the allocator replay as one allocation freed right away, placed
 after the convolution's outputs (torch allocates the output, then the workspace inside
 the call), tagged ``temporaries`` with the op ``cudnn workspace (<op>)``. The replay
@@ -125,6 +130,33 @@ def benchmark_workspace_bytes(op: str, args: tuple, outputs: list[torch.Tensor],
                        ) if splits_batch else 1.0
         return int((_nbytes(grad_output) + _nbytes(x)) * fraction)
     return 0
+
+
+#: The op name of the input copy a convolution makes (:func:`input_copy_bytes`).
+INPUT_COPY_OP = "contiguous input copy (aten.convolution.default)"
+
+
+def input_copy_bytes(op: str, args: tuple, stack: Any) -> int:
+    """The bytes of the copy a CUDA convolution makes of an input that is not dense in
+    the memory format its backend runs in (0 for an input that is).
+
+    aten/src/ATen/native/Convolution.cpp ``_convolution`` hands the backend
+    ``input.contiguous(backend_memory_format)`` (cuDNN: ``case ConvBackend::Cudnn``,
+    ``backend_memory_format = cudnn_conv_suggest_memory_format(input, weight)``, channels-
+    last when the input or the weight suggests it) or ``input.contiguous()`` (native
+    depthwise: ``case ConvBackend::CudaDepthwise2d``). For a strided view, such as a
+    channel slice of an NHWC tensor permuted to NCHW (MambaOut's gated convolution),
+    that is a new tensor of the input's size, alive for the call. Dense inputs (NCHW, or
+    exact channels-last) are passed as they are. Forward, 4-D inputs only.
+    """
+    if op != "aten.convolution.default" or args[0].dim() != 4:
+        return 0
+    x, w = args[0], args[1]
+    if is_routed_to_cudnn(op, args, stack) and (_channels_last(x) or _channels_last(w)):
+        memory_format = torch.channels_last
+    else:
+        memory_format = torch.contiguous_format
+    return 0 if x.is_contiguous(memory_format=memory_format) else _nbytes(x)
 
 
 def is_routed_to_cudnn(op: str, args: tuple, stack: Any) -> bool:

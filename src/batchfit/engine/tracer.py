@@ -30,7 +30,12 @@ import torch
 from torch import nn
 
 from batchfit.engine import _torch_internals as ti
-from batchfit.engine.cudnn import benchmark_workspace_bytes, is_routed_to_cudnn
+from batchfit.engine.cudnn import (
+    INPUT_COPY_OP,
+    benchmark_workspace_bytes,
+    input_copy_bytes,
+    is_routed_to_cudnn,
+)
 from batchfit.engine.kernels import (
     decomposition_for,
     is_outputs_only,
@@ -360,6 +365,11 @@ class Tracer:
             where = module if module is not None else self.current_module()
             self.kernel_limit = worst(self.kernel_limit, check_op(
                 name, args, outputs, self._stack, where))
+            if (copy := input_copy_bytes(name, args, self._stack)) > 0:
+                uid = next(_UIDS)
+                for kind in (EventKind.ALLOC, EventKind.FREE):
+                    self.events.append(Event(kind, uid, copy, Category.TEMPORARIES, where,
+                                             INPUT_COPY_OP, self.phase))
             if self._cudnn_benchmark is not None and name in _CONVOLUTIONS:
                 self._add_cudnn_workspace(name, args, outputs, where)
         scratch = scratch_for(func) if self.in_op_scratch else None
