@@ -40,6 +40,7 @@ model_parallel/fsdp.rst): the same model, data and hardware through ``L.Trainer`
 full epoch of ``fit``); same settings as the Fabric rows.
 
 Usage: python benchmarks/published_sharded_points.py [--skip-llama]
+(--skip-llama keeps the torchtitan rows of the last run's JSON, marked ``rerun: false``.)
 Writes benchmarks/results/published_sharded_points.{json,md}.
 """
 
@@ -50,6 +51,7 @@ import json
 import time
 from pathlib import Path
 
+import torch
 import torch.nn.functional as F
 
 from batchfit.answers.ranks import estimate_ranks
@@ -89,17 +91,61 @@ def nll_loss(output, batch):
     return F.nll_loss(output, args[1].view(-1))
 
 
-# (group, source, label, strategy, offload, published MiB)
+class Torch20ForeachAdam(torch.optim.Adam):
+    """``torch.optim.Adam``'s multi-tensor (foreach, CUDA's default) step as torch 2.0
+    ran it (torch/optim/adam.py ``_multi_tensor_adam``, v2.0.1), restated for the
+    default case (no amsgrad, maximize, weight decay or capturable): ``exp_avg_sq_sqrt =
+    _foreach_sqrt(exp_avg_sqs)`` and ``denom = _foreach_add(exp_avg_sq_sqrt, eps)`` are
+    both the size of the parameters and alive together at ``_foreach_addcdiv_``.
+    pytorch/pytorch#104780 (in nightlies from July 2023, released in 2.1) made the add in
+    place: one such intermediate since."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                state = self.state[p]
+                if not state:  # as torch 2.0 made them (not capturable, not fused)
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+            grads = [p.grad for p in params]
+            avgs = [self.state[p]["exp_avg"] for p in params]
+            sqs = [self.state[p]["exp_avg_sq"] for p in params]
+            steps = [self.state[p]["step"] for p in params]
+            beta1, beta2 = group["betas"]
+            torch._foreach_add_(steps, 1)
+            torch._foreach_mul_(avgs, beta1)
+            torch._foreach_add_(avgs, grads, alpha=1 - beta1)
+            torch._foreach_mul_(sqs, beta2)
+            torch._foreach_addcmul_(sqs, grads, grads, 1 - beta2)
+            corrected = [(1 - beta2 ** s.item()) ** 0.5 for s in steps]
+            step_size = [-group["lr"] / (1 - beta1 ** s.item()) for s in steps]
+            root = torch._foreach_sqrt(sqs)
+            torch._foreach_div_(root, corrected)
+            denom = torch._foreach_add(root, group["eps"])
+            torch._foreach_addcdiv_(params, avgs, denom, step_size)
+
+
+# (group, source, label, strategy, offload, published MiB). Lightning's FSDPStrategy is
+# FSDP1; its cpu_offload=True is FSDP1's CPUOffload(offload_params=True).
 LIGHTNING = [
     ("fabric", "DDP", "ddp", "none", 26_953),
     ("fabric", "SHARD_GRAD_OP (FSDP1)", "fsdp1-grad-op", "none", 11_815),
     ("fabric", "FULL_SHARD (FSDP1)", "fsdp1", "none", 11_578),
-    ("fabric", "FULL_SHARD + cpu_offload (FSDP2 CPUOffloadPolicy)", "fsdp", "params", 2_825),
+    ("fabric", "FULL_SHARD + cpu_offload (FSDP1 CPUOffload)", "fsdp1", "params", 2_825),
     ("trainer", "DDP", "ddp", "none", 23_125),
     ("trainer", "SHARD_GRAD_OP (FSDP1)", "fsdp1-grad-op", "none", 11_772),
     ("trainer", "FULL_SHARD (FSDP1)", "fsdp1", "none", 9_627),
-    ("trainer", "FULL_SHARD + cpu_offload (FSDP2 CPUOffloadPolicy)", "fsdp", "params", 2_790),
+    ("trainer", "FULL_SHARD + cpu_offload (FSDP1 CPUOffload)", "fsdp1", "params", 2_790),
 ]
+#: The Adam each guide's figures ran (see the module docstring): the Fabric guide's were
+#: published on 2023-07-19, the Trainer guide's on 2023-08-17.
+ADAM = {"fabric": "torch 2.0 foreach Adam (2 intermediates)",
+        "trainer": "torch >= 2.1 foreach Adam (1 intermediate)"}
 SOURCES = {
     "fabric": "Lightning Fabric FSDP guide (Lightning 2.1, PyTorch 2.1, 2x A100 40GB)",
     "trainer": "Lightning Trainer FSDP guide (Lightning 2.1, PyTorch 2.1, 2x A100 40GB)",
@@ -111,8 +157,12 @@ TORCHTITAN = [(8, 82.4), (128, 67.0)]  # (GPUs, published GiB reserved)
 def lightning_rows() -> list[dict]:
     rows = []
     inputs = (TensorSpec((SEQ,), "int64", high=33278), TensorSpec((SEQ,), "int64", high=33278))
-    config = TrainConfig(optimizer="adam", loss_fn=nll_loss)
+    configs = {"trainer": TrainConfig(optimizer="adam", optimizer_kwargs={"lr": 0.1},
+                                      loss_fn=nll_loss),
+               "fabric": TrainConfig(optimizer=Torch20ForeachAdam,
+                                     optimizer_kwargs={"lr": 0.1}, loss_fn=nll_loss)}
     for group, label, strategy, offload, published in LIGHTNING:
+        config = configs[group]
         grad_op = strategy == "fsdp1-grad-op"  # FSDP1's ShardingStrategy.SHARD_GRAD_OP
         layout = Parallelism(world_size=2, strategy="fsdp1" if grad_op else strategy,
                              offload=offload, reshard_after_forward=False if grad_op else None,
@@ -123,7 +173,7 @@ def lightning_rows() -> list[dict]:
         binding = est.binding
         predicted = binding.peak_allocated_bytes / MIB
         rows.append({"group": "held-out" if group == "trainer" else "first", "source": SOURCES[group],
-                     "case": label, "reports": "allocated", "unit": "MiB",
+                     "case": f"{label}, {ADAM[group]}", "reports": "allocated", "unit": "MiB",
                      "published": published, "predicted": round(predicted),
                      "error_pct": round(100 * (predicted - published) / published, 2),
                      "seconds": round(time.perf_counter() - start, 1)})
@@ -226,6 +276,9 @@ def main() -> None:
     rows = lightning_rows()
     if not args.skip_llama:
         rows += torchtitan_rows()
+    elif (RESULTS / "published_sharded_points.json").exists():  # keep the last run's
+        earlier = json.loads((RESULTS / "published_sharded_points.json").read_text())
+        rows += [dict(r, rerun=False) for r in earlier if r["source"] == SOURCES["torchtitan"]]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "published_sharded_points.json").write_text(json.dumps(rows, indent=2) + "\n")
     lines = ["| group | source | case | reports | published | predicted | error |",

@@ -176,8 +176,10 @@ def test_fsdp1_cpu_offload_keeps_model_state_off_the_gpu(precision: str, root_sh
     # fills the bf16 _mp_shard (_local_shard.to(device)). Each unit gathers in forward and
     # in backward, the root too: FSDP1 keeps the root's gathered parameter after forward
     # but points its flat parameter back at the host shard, so its pre-backward copies
-    # again (pre_unshard: flat_param.device != self.device).
-    from batchfit.engine.tracer import EventKind
+    # again (pre_unshard: flat_param.device != self.device). The model is built on the
+    # host; wrapping, FSDP1 flattens one unit at a time on the GPU (a block: 156 fp32
+    # elements, the largest) and moves its shard back to the host.
+    from batchfit.engine.tracer import EventKind, Phase
     from batchfit.sharding.offload import COPY_TO_DEVICE
 
     layout = Parallelism(world_size=4, strategy="fsdp1", offload="params")
@@ -188,6 +190,13 @@ def test_fsdp1_cpu_offload_keeps_model_state_off_the_gpu(precision: str, root_sh
     copies = sorted(e.nbytes for e in trace.steady_events
                     if e.op == COPY_TO_DEVICE and e.kind is EventKind.ALLOC)
     assert copies == sorted([root_shard * F32] * 2 + [39 * F32] * 6)
+    live = setup_peak = 0
+    for event in trace.steady_events:
+        if event.phase is not Phase.SETUP:
+            break
+        live += {EventKind.ALLOC: event.nbytes, EventKind.FREE: -event.nbytes}.get(event.kind, 0)
+        setup_peak = max(setup_peak, live)
+    assert setup_peak == 156 * F32
     plain = trace_rank(Blocks, (12,), 2, TrainConfig(optimizer="adamw", precision=precision),
                        DeviceProfile.cpu(kernel_scratch=False),
                        Parallelism(world_size=4, strategy="fsdp1"), 0)

@@ -20,6 +20,15 @@ installed torch; method names below are ``FlatParamHandle``'s):
   ``flat_param.grad`` at ``_cpu_grad`` and deletes ``_saved_grad_shard``
   (``prepare_gradient_for_optim``), which frees the GPU copy there.
 
+* Wrapping (torch/distributed/fsdp/_init_utils.py): a model offloaded so is built on the
+  host (it is why one offloads); with ``device_id`` FSDP1 moves each unit's parameters to
+  the GPU when it wraps the unit (``_move_module_to_device``), flattens and shards them
+  there, and moves the shard back to the host (``_init_param_handle_from_params``:
+  ``flat_param_to(cpu)``). The trace builds the model on its one device, so the model's
+  own parameters are taken off as host memory; the flattened unit and its shard are
+  traced on the device (the moved copy that precedes the flattening, one unit at a time,
+  is not added).
+
 On a CPU trace the compute device is the host: ``flat_param.device != self.device`` is
 False and ``_local_shard.to("cpu")`` returns the shard itself, so neither copy happens,
 and ``pin_memory()`` needs an accelerator (a fake tensor has no ``_pin_memory`` at all).
@@ -33,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -108,9 +117,9 @@ class _SynchronizableStream:
 class HostOffload:
     """Follows FSDP1's offload in a traced step (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, tracer: Tracer) -> None:
+    def __init__(self, module: nn.Module, tracer: Tracer, built: Iterable[int] = ()) -> None:
         self.tracer = tracer
-        self.host: set[int] = set()
+        self.host: set[int] = set(built)
         self._copies: dict[int, tuple[int, int]] = {}
         for handle in _handles(module):
             self._follow(handle)

@@ -382,15 +382,27 @@ class FSDP1Transform(_Transform):
         import warnings
 
         self._follow(tracer)
+        mark = len(tracer.events)
         twin = _fake_twin(meta_model, fake_mode, float_dtype, checkpointing)
+        offload = self.layout.offload is Offload.PARAMS and not self.host_is_device
+        built: set[int] = set()
+        if offload:
+            # the model is built on the host (FSDP1 moves each unit's parameters to the GPU
+            # as it wraps it, and the shard back: fsdp1_offload's module docstring); the
+            # buffers it moves stay on the GPU
+            from batchfit.engine.tracer import EventKind
+
+            built = {e.key for e in tracer.events[mark:] if e.kind is EventKind.ALLOC}
+            built |= {uid for p in twin.parameters() for uid in tracer.uids(p)}
+            built -= {uid for b in twin.buffers() for uid in tracer.uids(b)}
         with warnings.catch_warnings():  # FSDP1 compares storage pointers (fake: 0)
             warnings.simplefilter("ignore", UserWarning)
             self.module = shard_model(twin, self.layout, self.world, self.precision)
         self._offload = None
-        if self.layout.offload is Offload.PARAMS and not self.host_is_device:
+        if offload:
             from batchfit.sharding.fsdp1_offload import HostOffload
 
-            self._offload = HostOffload(self.module, tracer)
+            self._offload = HostOffload(self.module, tracer, built)
         return self.module
 
     def finish(self, trace: Any) -> Any:
