@@ -13,9 +13,23 @@ First group:
   and ``nn.TransformerDecoderLayer``. The figure is the peak in
   ``torch.cuda.memory_summary()``, the guide says *allocated* memory; its "MB" are the
   summary's MiB. Lightning 2.1's FSDPStrategy is FSDP1 (``FullyShardedDataParallel``):
-  FULL_SHARD and SHARD_GRAD_OP are traced with FSDP1 itself (its ``sharding_strategy``);
-  CPU offload with FSDP2's equivalent (``CPUOffloadPolicy``): FSDP1's ``CPUOffload`` is
-  not traced. NO_SHARD (FSDP1 without sharding) is not a strategy batchfit traces: left out.
+  FULL_SHARD and SHARD_GRAD_OP are traced with FSDP1 itself (its ``sharding_strategy``),
+  ``cpu_offload=True`` with FSDP1's ``CPUOffload(offload_params=True)``
+  (:mod:`batchfit.sharding.fsdp1_offload`). NO_SHARD (FSDP1 without sharding) is not a
+  strategy batchfit traces: left out.
+  *Which Adam*: the Fabric figures were published on 2023-07-19 (Lightning commit
+  6ab6ab8, whose example still set the optimizer up with the model: ``model, optimizer =
+  fabric.setup(model, optimizer)``), before torch 2.1 (2023-10-04) and a week after
+  pytorch/pytorch#104780 reached the nightlies; the Trainer guide's on 2023-08-17
+  (6df4368). Every Fabric figure that peaks in the optimizer step is one
+  parameter-sized tensor above the Trainer's for the same setup: DDP 26,953 - 23,125 =
+  3,828 MiB (the parameters: 3,853 MiB), FULL_SHARD 11,578 - 9,627 = 1,951 MiB (a rank's
+  half: 1,927 MiB), the foreach Adam of torch 2.0, whose ``sqrt`` and ``+ eps`` were two
+  such intermediates (#104780 made the second in place). So the Fabric rows run torch
+  2.0's foreach Adam (:class:`Torch20ForeachAdam`, restated), the Trainer rows torch
+  >= 2.1's (the installed torch's): an inference from the dates and the sizes, the guide
+  itself says "PyTorch 2.1" for both. SHARD_GRAD_OP (11,815 vs 11,772) and the offload
+  (the optimizer steps on the host) do not peak there.
 * torchtitan's Llama 3.1 benchmarks (benchmarks/llama3_h100_202412_torchtitan.md, Tables
   1 and 3, FSDP rows without torch.compile or Float8): Llama 3.1 8B, seq 8192 (the
   llama3_8b.toml default), local batch 2, bf16 FSDP2 mixed precision (fp32 reduce), AdamW,
@@ -290,6 +304,8 @@ def main() -> None:
         lines.append(f"| {r['group']} | {r['source']} | {r['case']} | {r['reports']} | "
                      f"{r['published']:,} {r['unit']} | {r['predicted']:,}{extra} | "
                      f"{r['error_pct']:+.1f}% |")
+    if any(r.get("rerun") is False for r in rows):
+        lines.append("\ntorchtitan rows: the previous run's (this run used --skip-llama).")
     for group in ("first", "held-out"):
         errs = [abs(r["error_pct"]) for r in rows if r["group"] == group]
         if errs:
