@@ -375,9 +375,10 @@ def main() -> None:
 def write_results(path: Path, rows: list[dict], analysis: dict) -> None:
     """The rows as JSON and markdown; the Unsloth analysis, if any, as ``*_line.json``."""
     path.write_text(json.dumps(rows, indent=2) + "\n")
-    lines = ["| source | case | metric | published | predicted | error | split "
-             "| device GiB at the published context |",
-             "|---|---|---|---|---|---|---|---|"]
+    memory_column = any("device_gib_at_published" in r for r in rows)
+    lines = ["| source | case | metric | published | predicted | error | split |"
+             + (" device GiB at the published context |" if memory_column else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if memory_column else "")]
     for r in rows:
         error = "n/a" if r["error_pct"] is None else f"{r['error_pct']:+.1f}%"
         memory = ("" if "device_gib_at_published" not in r else
@@ -385,7 +386,7 @@ def write_results(path: Path, rows: list[dict], analysis: dict) -> None:
         lines.append(f"| {r['source']} | {r['case']} | {r['metric']} | "
                      f"{r['published'] if r['published'] is not None else 'OOM'} | "
                      f"{r['predicted'] if r['predicted'] is not None else 'nothing fits'} | "
-                     f"{error} | {r['split']} | {memory} |")
+                     f"{error} | {r['split']} |" + (f" {memory} |" if memory_column else ""))
     lines += ["", "Agreement:", *_summary(rows)]
     if analysis:
         path.with_name(path.stem + "_line.json").write_text(json.dumps(analysis, indent=2)
