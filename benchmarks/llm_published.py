@@ -24,6 +24,19 @@ sets are held out.
    they give the same contexts: the shifted slice is already contiguous). The traces
    do not depend on the card's size, so one cache of peaks per model serves every card (the
    budget is each card's, as ``max_seq_len`` takes it).
+   How the table was made: both 8B columns are straight lines in the card's nominal GB
+   (``published_line``: HF+FA2 404.73 tokens per GB, zero tokens at 9.70 GB; no figure
+   more than 0.4 token off the line over 12-80 GB, nor the Unsloth column's over 8-80 GB),
+   as the same authors' previous table (unsloth.ai/blog/long-context, Apr 2024, the same
+   eight cards) says of itself: "our maximum context calculation ... Numbers are
+   extrapolated based on experiments". Measured maxima would carry the allocator's
+   granularity (batchfit's own stray up to ~80 tokens from a line), and a 40 GB A100 and a
+   48 GB card would follow the cards' CUDA totals, not the nominal 8 GB between them. So
+   each figure is the blog's line evaluated at the card, and the 70B rows were "tested on
+   a 80GB A100". Each fitting row is also read as memory: batchfit's device memory for
+   the published context (the figure says it needs at most the card's GB), and the
+   results' ``_line`` file reads batchfit's own curve the table's way (a line through two
+   long contexts, evaluated at each card).
 2. Hugging Face, "Optimizing LLMs for Speed and Memory" (transformers docs,
    llm_tutorial_optimization.md): bigcode/octocoder on an A100 40GB, ``pipeline`` with a
    20-token prompt and ``max_new_tokens=60``, batch 1, ``torch.cuda.max_memory_allocated()``:
@@ -51,6 +64,7 @@ sets are held out.
    sampler code differs, and at 4,096 tokens the forward binds either way.
 
 Usage: nice python benchmarks/llm_published.py [--only unsloth|octocoder|vllm]
+       nice python benchmarks/llm_published.py --curve 932,1152,2048  (the 8B's memory curve)
 Writes benchmarks/results/llm_published.json and .md.
 """
 
@@ -68,6 +82,45 @@ RESULTS = HERE / "results"
 UNSLOTH_8B = [(8, None), (12, 932), (16, 2551), (24, 5789), (40, 12264), (48, 15502),
               (80, 28454)]
 UNSLOTH_70B = [(48, None), (80, 6916)]
+# The same table's "Unsloth" column (its own gradient checkpointing and Apple's CCE): not
+# scored (batchfit does not model Unsloth's kernels), read only for how the table was made.
+UNSLOTH_8B_OWN_COLUMN = [(8, 2972), (12, 21848), (16, 40724), (24, 78475), (40, 153977),
+                         (48, 191728), (80, 342733)]
+# The same authors' Apr 2024 table (unsloth.ai/blog/long-context: Mistral 7b, QLoRA, rank 32,
+# adamw_8bit, batch 1, on the RTX 4060/4070/4080/4090, A100 40GB, A6000 and H100), which
+# says of itself "Numbers are extrapolated based on experiments": the yardstick of a
+# computed column. Not scored (Mistral 7b v0.2 settings not in full).
+APRIL_2024_COLUMNS = {
+    "Hugging Face+FA2": [(8, 1696), (12, 4797), (16, 7898), (24, 14099), (40, 26502),
+                         (48, 32704), (80, 57510)],
+    "Unsloth (Old)": [(8, 3716), (12, 11055), (16, 18394), (24, 33073), (40, 62431),
+                      (48, 77110), (80, 135826)],
+    "Unsloth (New)": [(8, 7340), (12, 19610), (16, 31880), (24, 56420), (40, 105500),
+                      (48, 130040), (80, 228199)]}
+# Contexts at which batchfit's own curve is read the way the table reads (a line through
+# two points, evaluated at every card): long contexts, where such experiments sit.
+LINE_ANCHORS = ((4096, 28672), (8192, 28672), (12288, 28672))
+
+
+def published_line(points: list[tuple[int, int]]) -> dict:
+    """The least-squares line through a published column (card GB -> tokens).
+
+    A measured maximum context carries the caching allocator's granularity (batchfit's own
+    predictions stray up to ~80 tokens from a line across these cards); a column computed
+    from a line (context = slope x (GB - GB at zero tokens), rounded) strays by a token.
+
+    >>> line = published_line([p for p in UNSLOTH_8B if p[1] is not None])
+    >>> round(line["tokens_per_gb"], 1), round(line["gb_at_zero_tokens"], 2), line["max_residual_tokens"]
+    (404.7, 9.7, 0.4)
+    """
+    xs, ys = [g for g, _ in points], [t for _, t in points]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+             / sum((x - mx) ** 2 for x in xs))
+    intercept = my - slope * mx
+    residual = max(abs(y - (intercept + slope * x)) for x, y in zip(xs, ys))
+    return {"points": n, "tokens_per_gb": slope, "gb_at_zero_tokens": -intercept / slope,
+            "max_residual_tokens": round(residual, 1)}
 
 
 def _qlora_config(transformers_version: str | None = None):
@@ -78,7 +131,8 @@ def _qlora_config(transformers_version: str | None = None):
                        optimizer="adamw8bit", transformers_version=transformers_version)
 
 
-def unsloth(transformers_version: str | None = "4.47") -> list[dict]:
+def unsloth(transformers_version: str | None = "4.47",
+            analysis: dict | None = None) -> list[dict]:
     from batchfit.answers.estimate import estimate
     from batchfit.answers.maxbatch import _allocator_bytes, _budget, with_seq_len
     from batchfit.answers.solve import NothingFits, solve_max_seq_len
@@ -102,19 +156,84 @@ def unsloth(transformers_version: str | None = "4.47") -> list[dict]:
                 peaks[seq_len] = _allocator_bytes(est)
             return peaks[seq_len]
 
+        overhead = 0
         for gib, published in points:
             card = DeviceProfile.cuda(gib * GiB, (8, 0), name=f"{gib} GiB sm80")
-            _, budget = _budget(card.for_stack(config.resolved_stack), None, 0.0)
+            card_memory, budget = _budget(card.for_stack(config.resolved_stack), None, 0.0)
+            overhead = card_memory - budget  # the CUDA context and the cuBLAS workspaces
             start = time.perf_counter()
             try:
                 predicted = solve_max_seq_len(peak, budget, max_len=context).max_seq_len
             except NothingFits:
                 predicted = None
-            rows.append(_row("unsloth", f"{hub.split('/')[1]} QLoRA r32, {gib} GB, "
-                             f"transformers {label}", "max context (fit)", published,
-                             predicted, time.perf_counter() - start, "held-out"))
+            row = _row("unsloth", f"{hub.split('/')[1]} QLoRA r32, {gib} GB, "
+                       f"transformers {label}", "max context (fit)", published, predicted,
+                       time.perf_counter() - start, "held-out")
+            if published is not None:  # the same figure read as memory: the published
+                # context needs at most the card's GB; batchfit's device memory for it:
+                memory = (peak(published) + overhead) / GiB
+                row["device_gib_at_published"] = round(memory, 3)
+                row["memory_error_pct"] = round(100 * (memory - gib) / gib, 2)
+            rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
+        if analysis is not None and hub.endswith("8B"):
+            analysis.update(_line_reading(peak, overhead, points))
     return rows
+
+
+def _line_reading(peak, overhead: int, points) -> dict:
+    """How the table was made, and batchfit's curve read the same way.
+
+    The columns are straight lines in the card's nominal GB (``published_line``); batchfit's
+    device memory is not (its modelled allocator slack grows faster from about 2,000 tokens,
+    where the float32 logits outgrow the cached blocks). A line through two long contexts
+    of batchfit's own curve, evaluated at each card, is what the table's method makes of it.
+    """
+    fitting = [(g, t) for g, t in points if t is not None]
+    curve = {s: (peak(s) + overhead) / GiB for s in sorted({s for pair in LINE_ANCHORS
+                                                            for s in pair})}
+    readings = []
+    for low, high in LINE_ANCHORS:
+        slope = (curve[high] - curve[low]) / (high - low)  # GiB per token
+        at_zero = curve[low] - slope * low
+        readings.append({"anchors": [low, high], "gib_at_zero_tokens": round(at_zero, 3),
+                         "mb_per_token": round(slope * GiB / 1e6, 4),
+                         "contexts": {str(g): int((g - at_zero) / slope) for g, _ in fitting}})
+    return {"published_hf_fa2_line": published_line(fitting),
+            "published_unsloth_column_line": published_line(UNSLOTH_8B_OWN_COLUMN),
+            "april_2024_extrapolated_lines": {name: published_line(column) for name, column
+                                              in APRIL_2024_COLUMNS.items()},
+            "batchfit_device_gib": {str(s): round(m, 3) for s, m in curve.items()},
+            "batchfit_read_as_a_line": readings}
+
+
+def unsloth_curve(lengths: list[int], transformers_version: str | None = "4.47") -> list[dict]:
+    """batchfit's device memory for the Unsloth 8B step at ``lengths`` tokens (one trace each),
+    with the allocated peak and the allocator's slack: the curve the table's line is read
+    against (``--curve``)."""
+    from batchfit.answers.estimate import estimate
+    from batchfit.answers.maxbatch import _allocator_bytes, with_seq_len
+    from batchfit.device.profile import DeviceProfile
+    from batchfit.engine.trace import TraceReuse
+    from batchfit.engine.tracer import Category
+    from batchfit.models.resolve import resolve_model
+
+    config = _qlora_config(transformers_version)
+    spec = resolve_model("hf:meta-llama/Llama-3.1-8B", seq_len=1024)
+    sm80 = DeviceProfile.cuda(80 * GiB, (8, 0), name="sm80").for_stack(config.resolved_stack)
+    overhead = sm80.outside_allocator_bytes + sm80.workspace_bytes
+    reuse, points = TraceReuse(), []
+    for length in lengths:
+        est = estimate(spec.factory, with_seq_len(spec.input_spec, length), 1, config,
+                       device=sm80, reuse=reuse)
+        points.append({"tokens": length,
+                       "device_gib": round((_allocator_bytes(est) + overhead) / GiB, 3),
+                       "allocated_gib": round(est.peak_allocated_bytes / GiB, 3),
+                       "slack_gib": round(est.by_category.get(Category.ALLOCATOR_SLACK, 0)
+                                          / GiB, 3),  # reserved but not allocated, at the peak
+                       "peak_phase": str(est.peak_phase)})
+        print(json.dumps(points[-1]), flush=True)
+    return points
 
 
 def octocoder() -> list[dict]:
@@ -186,17 +305,63 @@ def _row(source: str, case: str, metric: str, published, predicted, seconds: flo
             "seconds": round(seconds, 1)}
 
 
+def _summary(rows: list[dict]) -> list[str]:
+    """How many figures agree (within 10%, or an OOM matched), all and held-out."""
+    lines = []
+    for label, subset in (("all", rows), ("held-out", [r for r in rows
+                                                       if r["split"] == "held-out"])):
+        agree = sum(1 for r in subset if r["within_10pct"])
+        lines.append(f"- {label}: {agree} of {len(subset)} within 10% or matching the "
+                     f"published fit/OOM")
+    return lines
+
+
+def _analysis_lines(analysis: dict) -> list[str]:
+    line, own = analysis["published_hf_fa2_line"], analysis["published_unsloth_column_line"]
+    out = ["", "## How the Unsloth 8B table was made", "",
+           f"- HF+FA2 column: {line['tokens_per_gb']:.3f} tokens per GB, zero tokens at "
+           f"{line['gb_at_zero_tokens']:.3f} GB; largest distance of a published figure from "
+           f"the line: {line['max_residual_tokens']} tokens over {line['points']} cards",
+           f"- Unsloth column: {own['tokens_per_gb']:.3f} tokens per GB, zero at "
+           f"{own['gb_at_zero_tokens']:.3f} GB; largest distance {own['max_residual_tokens']} "
+           f"tokens over {own['points']} cards",
+           "- the Apr 2024 table that says it is extrapolated, largest distances from "
+           "its lines: " + ", ".join(f"{name} {line['max_residual_tokens']} tokens"
+                                     for name, line in
+                                     analysis["april_2024_extrapolated_lines"].items()),
+           "- batchfit's device memory (GiB) at: " + ", ".join(
+               f"{s} tokens {m}" for s, m in analysis["batchfit_device_gib"].items()), "",
+           "batchfit's curve read as a line through two of its points (the table's method):",
+           "", "| anchors (tokens) | GiB at 0 tokens | MB per token | contexts per card GB |",
+           "|---|---|---|---|"]
+    for r in analysis["batchfit_read_as_a_line"]:
+        out.append(f"| {r['anchors'][0]:,} and {r['anchors'][1]:,} | {r['gib_at_zero_tokens']} "
+                   f"| {r['mb_per_token']} | " + ", ".join(
+                       f"{g}: {t:,}" for g, t in r["contexts"].items()) + " |")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=("unsloth", "octocoder", "vllm"))
     parser.add_argument("--unsloth-transformers", default="4.47",
                         help="the transformers version whose loss the Unsloth rows use, or "
                              "'installed'")
+    parser.add_argument("--curve", help="comma-separated contexts: only batchfit's device "
+                        "memory for the Unsloth 8B step at each (results/"
+                        "llm_published_unsloth_curve.json)")
     args = parser.parse_args()
     version = None if args.unsloth_transformers == "installed" else args.unsloth_transformers
+    if args.curve:
+        points = unsloth_curve([int(x) for x in args.curve.split(",")], version)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "llm_published_unsloth_curve.json").write_text(
+            json.dumps(points, indent=2) + "\n")
+        return
     rows: list[dict] = []
+    analysis: dict = {}
     for name, run in (("octocoder", octocoder), ("vllm", vllm),
-                      ("unsloth", lambda: unsloth(version))):
+                      ("unsloth", lambda: unsloth(version, analysis))):
         if args.only in (None, name):
             rows += run()
             print(json.dumps(rows[-1]), flush=True)
@@ -204,15 +369,29 @@ def main() -> None:
     only = args.only if args.only != "unsloth" else f"unsloth_{args.unsloth_transformers}"
     path = RESULTS / ("llm_published.json" if args.only is None
                       else f"llm_published_{only}.json")
+    write_results(path, rows, analysis)
+
+
+def write_results(path: Path, rows: list[dict], analysis: dict) -> None:
+    """The rows as JSON and markdown; the Unsloth analysis, if any, as ``*_line.json``."""
     path.write_text(json.dumps(rows, indent=2) + "\n")
-    lines = ["| source | case | metric | published | predicted | error | split |",
-             "|---|---|---|---|---|---|---|"]
+    memory_column = any("device_gib_at_published" in r for r in rows)
+    lines = ["| source | case | metric | published | predicted | error | split |"
+             + (" device GiB at the published context |" if memory_column else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if memory_column else "")]
     for r in rows:
         error = "n/a" if r["error_pct"] is None else f"{r['error_pct']:+.1f}%"
+        memory = ("" if "device_gib_at_published" not in r else
+                  f"{r['device_gib_at_published']:.2f} ({r['memory_error_pct']:+.1f}%)")
         lines.append(f"| {r['source']} | {r['case']} | {r['metric']} | "
                      f"{r['published'] if r['published'] is not None else 'OOM'} | "
                      f"{r['predicted'] if r['predicted'] is not None else 'nothing fits'} | "
-                     f"{error} | {r['split']} |")
+                     f"{error} | {r['split']} |" + (f" {memory} |" if memory_column else ""))
+    lines += ["", "Agreement:", *_summary(rows)]
+    if analysis:
+        path.with_name(path.stem + "_line.json").write_text(json.dumps(analysis, indent=2)
+                                                            + "\n")
+        lines += _analysis_lines(analysis)
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -12,6 +12,14 @@ each test checks one scenario's results. Every expected answer is derived by han
   processes (the wrapped module is what is sent) and in process (the way CUDA searches):
   rank 1 runs out of memory in forward while rank 0 goes through backward, which under
   DDP's own forward would block in its gradient all-reduce;
+* a sharded model (``ShardedRaisesAbove``: two ``fully_shard`` units), searched from its
+  factory with ``parallel=``: each trial's processes form a gloo group of their own and
+  shard the model. Above batch 5 rank 1 runs out of memory between the two units, while
+  rank 0 waits for it in the second unit's all-gather (FSDP2) or, with no sharding to
+  gather (HSDP over 2 nodes of 1 rank), in backward's gradient all-reduce: rank 0's
+  trial must end at once ("another rank's trial stopped", its peer's sockets closed),
+  not hang, both agree on 5 and name rank 1, and each trial holds its rank's shard of the
+  parameters (the tracker counts a DTensor's local shard: 288 of the model's 576 bytes);
 * a non-memory error, or a bad argument, on rank 1 only: both ranks raise, neither hangs.
 
 Collectives time out after 60 s and the whole run is killed after ``RUN_TIMEOUT_S``, so a
@@ -58,6 +66,30 @@ class RaisesAbove(nn.Module):
         if x.shape[0] > self.limit:
             raise torch.OutOfMemoryError(f"fake: batch {x.shape[0]} > {self.limit}")
         return self.linear(x)
+
+
+#: Models built in this (the search's) process: a sharded search builds none here.
+BUILT_HERE = []
+
+
+class ShardedRaisesAbove(nn.Module):
+    """Two linear layers, each its own FSDP2 unit; above ``limit`` samples forward raises
+    ``torch.OutOfMemoryError`` after the first unit, before the second unit's collective.
+    Parameters: 2 x (8 x 8 + 8) floats = 576 bytes; FSDP2 over 2 ranks keeps rows 0-3
+    or 4-7 of each weight and bias on a rank: 2 x (4 x 8 + 4) x 4 = 288 bytes."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        BUILT_HERE.append(os.getpid())
+        self.limit = limit
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError(f"fake: batch {x.shape[0]} > {self.limit}")
+        return self.second(hidden)
 
 
 class BadOnRankOne(nn.Module):
@@ -140,6 +172,25 @@ def _ddp_in_process(rank: int, server) -> dict:
     return {**_summary(result), "restored": restored, "ddp_grads_agree": gathered[0] == gathered[1]}
 
 
+def _sharded(rank: int, server, **layout) -> dict:
+    from batchfit.realrun.search import search_max_batch
+    from batchfit.sharding import Parallelism
+
+    rng = torch.get_rng_state()
+    built = len(BUILT_HERE)
+    result = search_max_batch(functools.partial(ShardedRaisesAbove, LIMITS[rank]), (8,),
+                              device="cpu", memory_cap_bytes=64 * MIB, optimizer="sgd",
+                              predicted=8, trial_server=server, timeout_s=60,
+                              parallel=Parallelism(world_size=WORLD_SIZE, wrap=("Linear",),
+                                                   **layout))
+    return {**_summary(result),
+            "errors": {t.batch_size: t.error for t in result.trials if not t.fits},
+            "baselines": sorted({t.baseline_bytes for t in result.trials if t.fits}),
+            "slowest_trial_s": max(t.seconds for t in result.trials),
+            "rng_kept": torch.equal(rng, torch.get_rng_state()),
+            "built_here": len(BUILT_HERE) - built}
+
+
 def _error_on_one_rank(rank: int, server) -> dict:
     from batchfit.realrun.search import search_max_batch
 
@@ -165,7 +216,10 @@ def _bad_argument_on_one_rank(rank: int, server) -> dict:
 
 
 SCENARIOS = {"fake_oom": _fake_oom, "real_cap": _real_cap, "ddp_capped": _ddp_capped,
-             "ddp_in_process": _ddp_in_process, "error": _error_on_one_rank,
+             "ddp_in_process": _ddp_in_process,
+             "fsdp": functools.partial(_sharded, strategy="fsdp"),
+             "hsdp": functools.partial(_sharded, strategy="hsdp", nodes=2),
+             "error": _error_on_one_rank,
              "bad_argument": _bad_argument_on_one_rank}
 
 
@@ -239,6 +293,28 @@ def test_in_process_trials_of_a_ddp_model_never_wait_in_ddps_all_reduce(ranks):
     assert zero["ddp_grads_agree"] and one["ddp_grads_agree"]
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
+def test_sharded_trials_meet_in_their_own_group_and_an_oom_strands_no_rank(ranks, strategy):
+    zero, one = scenario_results(ranks, strategy)
+    assert zero["max"] == one["max"] == AGREED
+    assert zero["limiting_rank"] == one["limiting_rank"] == 1
+    assert [b for b, _ in zero["trials"]] == [b for b, _ in one["trials"]]
+    above = str(AGREED + 1)  # JSON keys
+    assert f"batch {AGREED + 1} > {AGREED}" in one["errors"][above]
+    # rank 0 fits 6 on its own, but its trial's peer left: it stopped at once, not waited
+    # (a wait ends at the 60 s timeout and would say "timed out")
+    assert zero["errors"][above].startswith("another rank's trial stopped")
+    assert "connection" in zero["errors"][above].lower()
+    assert zero["slowest_trial_s"] < 30 and one["slowest_trial_s"] < 30
+    # each rank's trials start from its shard of the parameters: half of 576 bytes (FSDP2)
+    # or all of them (HSDP over 2 nodes of 1 rank: replicated, not sharded)
+    expected = 288 if strategy == "fsdp" else 576
+    assert zero["baselines"] == one["baselines"] == [expected]
+    # the search's processes build nothing and keep their RNG: the trials do the work
+    assert zero["built_here"] == one["built_here"] == 0
+    assert zero["rng_kept"] and one["rng_kept"]
+
+
 def test_an_error_on_one_rank_is_raised_on_every_rank(ranks):
     zero, one = scenario_results(ranks, "error")
     assert one["raised"] == "ValueError" and "broken" in one["message"]
@@ -262,13 +338,23 @@ def test_a_group_without_torch_distributed_is_a_clear_error():
         agreement_for(object())
 
 
-def test_sharded_models_are_refused():
+def test_a_sharded_model_itself_is_refused_with_how_to_search_it():
     from batchfit.errors import InvalidInputError
     from batchfit.realrun.distributed import local_module
 
     class FullyShardedDataParallel(nn.Module):  # what FSDP's class is called
         pass
 
-    with pytest.raises(InvalidInputError, match="FSDP"):
+    with pytest.raises(InvalidInputError, match="parallel=Parallelism"):
         local_module(FullyShardedDataParallel())
+
+
+def test_parallel_without_torch_distributed_is_a_clear_error():
+    from batchfit.errors import InvalidInputError
+    from batchfit.realrun.search import search_max_batch
+    from batchfit.sharding import Parallelism
+
+    with pytest.raises(InvalidInputError, match="init_process_group"):
+        search_max_batch(functools.partial(ShardedRaisesAbove, 4), (8,), device="cpu",
+                         optimizer="sgd", parallel=Parallelism(world_size=2, strategy="fsdp"))
 

@@ -160,3 +160,47 @@ def test_a_zero_trace_leaves_no_chatter_on_stderr() -> None:
     assert "No CUDA runtime" not in done.stderr
     assert "data pointer of FakeTensor" not in done.stderr
     assert done.stdout == "done\n"  # DeepSpeed's stdout is kept off the user's
+
+
+@pytest.mark.parametrize("precision, root_shard", [("fp32", 17), ("amp-bf16", 18)])
+def test_fsdp1_cpu_offload_keeps_model_state_off_the_gpu(precision: str, root_shard: int) -> None:
+    # FSDP1 CPUOffload(offload_params=True) (torch/distributed/fsdp/_flat_param.py): the
+    # sharded flat parameter (_local_shard), the gradient FSDP copies it to (_cpu_grad)
+    # and the optimizer live on the host; the reduce-scatter output is freed on the GPU at
+    # the end of backward. A unit's flat parameter is its parameters, each starting at a
+    # multiple of 16 bytes of the compute dtype (use_orig_params=True), padded to a
+    # multiple of the 4 ranks: a block 144 + 12 = 156 elements, 39 per rank; the root's
+    # head 60 + 5 = 65 -> 68, 17 per rank in fp32, and in bf16 (8-element alignment) 60 +
+    # 4 + 5 = 69 -> 72, 18 per rank. Every gather first copies the fp32 shard to the GPU:
+    # without mixed precision that copy is all-gathered (flat_param_to), with it the copy
+    # fills the bf16 _mp_shard (_local_shard.to(device)). Each unit gathers in forward and
+    # in backward, the root too: FSDP1 keeps the root's gathered parameter after forward
+    # but points its flat parameter back at the host shard, so its pre-backward copies
+    # again (pre_unshard: flat_param.device != self.device). The model is built on the
+    # host; wrapping, FSDP1 flattens one unit at a time on the GPU (a block: 156 fp32
+    # elements, the largest) and moves its shard back to the host.
+    from batchfit.engine.tracer import EventKind, Phase
+    from batchfit.sharding.offload import COPY_TO_DEVICE
+
+    layout = Parallelism(world_size=4, strategy="fsdp1", offload="params")
+    trace = trace_rank(Blocks, (12,), 2, TrainConfig(optimizer="adamw", precision=precision),
+                       DeviceProfile.cpu(kernel_scratch=False), layout, 0)
+    held = {event.category for event in alive_at_end(trace.steady_events) if event.nbytes}
+    assert held == {Category.INPUTS}
+    copies = sorted(e.nbytes for e in trace.steady_events
+                    if e.op == COPY_TO_DEVICE and e.kind is EventKind.ALLOC)
+    assert copies == sorted([root_shard * F32] * 2 + [39 * F32] * 6)
+    live = setup_peak = 0
+    for event in trace.steady_events:
+        if event.phase is not Phase.SETUP:
+            break
+        live += {EventKind.ALLOC: event.nbytes, EventKind.FREE: -event.nbytes}.get(event.kind, 0)
+        setup_peak = max(setup_peak, live)
+    assert setup_peak == 156 * F32
+    plain = trace_rank(Blocks, (12,), 2, TrainConfig(optimizer="adamw", precision=precision),
+                       DeviceProfile.cpu(kernel_scratch=False),
+                       Parallelism(world_size=4, strategy="fsdp1"), 0)
+    kept = {}
+    for event in alive_at_end(plain.steady_events):
+        kept[event.category] = kept.get(event.category, 0) + event.nbytes
+    assert kept[Category.PARAMETERS] == (3 * 39 + root_shard) * F32  # what went to the host

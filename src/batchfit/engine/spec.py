@@ -252,6 +252,11 @@ class TrainConfig:
             gradients in place (torch < 2.0 ``zero_grad()``, HF Trainer of that era):
             gradients then stay allocated through forward and backward. None (default):
             what ``zero_grad()`` does on the stack (True from torch 2.0).
+        zero_grad_after_forward: the loop calls ``zero_grad`` between the loss and
+            ``backward``, as Lightning's automatic optimization does (``Closure.closure``
+            in lightning/pytorch/loops/optimization/automatic.py: ``training_step``, then
+            ``zero_grad``, then ``backward``): the previous step's gradients are then live
+            through the forward. False: ``zero_grad`` first, as torch's examples do.
         stack: the torch/CUDA/cuDNN versions the step runs on: a
             :class:`~batchfit.engine.stack.Stack`, a string like ``"torch2.4+cu124"``, or
             None for the installed torch (see :mod:`batchfit.engine.stack`).
@@ -285,6 +290,7 @@ class TrainConfig:
     channels_last: bool = False
     loss_fn: Any = None
     grads_to_none: bool | None = None
+    zero_grad_after_forward: bool = False
     stack: Any = None
     cudnn_benchmark: bool = False
     lora: Any = None

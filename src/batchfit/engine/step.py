@@ -296,7 +296,9 @@ class StepRunner:
             self.optimizer.zero_grad(set_to_none=self.config.zero_grad_to_none)
 
     def forward_backward(self) -> None:
-        loss = self.forward_loss()
+        self.backward(self.forward_loss())
+
+    def backward(self, loss: torch.Tensor) -> None:
         self.on_phase("backward")
         if self.engine is not None:  # DeepSpeed scales by its own accumulation steps
             self.engine.backward(loss)
@@ -319,9 +321,17 @@ class StepRunner:
             self.scaler.update()
 
     def train_step(self) -> None:
-        """One optimizer step: ``grad_accum_steps`` micro-batches, then the update."""
-        self.zero_grad()
-        for _ in range(self.config.grad_accum_steps):
+        """One optimizer step: ``grad_accum_steps`` micro-batches, then the update (with
+        ``zero_grad_after_forward``, the first micro-batch's forward before ``zero_grad``)."""
+        micro_batches = self.config.grad_accum_steps
+        if self.config.zero_grad_after_forward:
+            loss = self.forward_loss()
+            self.zero_grad()
+            self.backward(loss)
+            micro_batches -= 1
+        else:
+            self.zero_grad()
+        for _ in range(micro_batches):
             self.forward_backward()
         self.optimizer_step()
 

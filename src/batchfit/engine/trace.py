@@ -272,7 +272,8 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
     float_dtype = None if precision.weight_dtype == "float32" else torch_dtype(precision.weight_dtype)
     training = config.mode is Mode.TRAIN
     stack = config.resolved_stack
-    grads_to_none = config.zero_grad_to_none
+    # gradients live into the next step's forward (zeroed in place, or zeroed after it)
+    grads_survive = not config.zero_grad_to_none or config.zero_grad_after_forward
     fake_mode = ti.new_fake_mode()
     if workload is not None and workload.loss.value == "chunked" and not device.is_cuda:
         raise InvalidInputError(
@@ -360,7 +361,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
             with fake_mode, emulation_ctx, tracer, _library_context(config, device):
                 if transform is not None:
                     transform.attach(runner, tracer)
-                whole_steps = training and (not grads_to_none or (
+                whole_steps = training and (grads_survive or (
                     transform is not None and transform.whole_steps))
                 if transform is not None and whole_steps:
                     for index in range(2):  # the first creates state, the second is steady
@@ -368,7 +369,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                         runner.train_step()
                         _retag_optimizer_state(runner, tracer)
                         marks.append(len(tracer.events))
-                elif training and not grads_to_none:
+                elif training and grads_survive:
                     # gradients survive into the next step: trace two whole steps
                     runner.forward_backward()
                     runner.optimizer_step()

@@ -37,8 +37,17 @@ all-reduce of backward: the collectives no longer pair up, a hang (gloo reports 
 mismatch at best). The memory DDP adds, its gradient buckets, was allocated when the
 model was wrapped and counts in the state each trial starts from (CUDA, in process; a
 CPU trial rebuilds the plain module and does not hold them); the communication
-buffers of the all-reduce itself are not measured. Sharded models (FSDP) run
-collectives inside forward and are refused.
+buffers of the all-reduce itself are not measured.
+
+Sharded models (FSDP2, HSDP, tensor parallel) run collectives inside forward and
+backward, so their trials cannot run apart: with ``parallel=`` each trial's processes,
+one per rank, meet in a gloo group of that trial's own and shard the model there
+(:mod:`batchfit.realrun.sharded_trial`). A trial that runs out of memory ends its
+process; the other ranks' trials fail at once in their next collective (the sockets
+close) and report :data:`PEER_STOPPED`, which is not counted as their own limit. The
+agreement then proceeds as above, in the search's own processes, which never join a
+trial's group. An FSDP-wrapped model itself cannot be sent to a trial process (its
+parameters are shards of the caller's group): it is refused with how to search it.
 
 Example:
     >>> agreement_for(None) is None  # torch.distributed not initialized here
@@ -56,6 +65,7 @@ from typing import Any
 import torch
 
 from batchfit.errors import InvalidInputError, TrialError
+from batchfit.realrun.sharded_trial import PEER_STOPPED
 
 #: A value larger than any byte count or batch size (an absent measurement, in a minimum).
 _ABSENT = 2**62
@@ -103,7 +113,8 @@ class AgreedTrial:
         slack_bytes: the least room any rank had left (limit - used), None if unmeasured.
         peak_bytes: the largest live peak of the ranks that fitted (None if none did).
         overhead_bytes: the largest allocator overhead of the ranks that fitted.
-        limiting_rank: the lowest rank that ran out of memory (None when it fitted).
+        limiting_rank: the lowest rank that ran out of memory (None when it fitted); in a
+            sharded search, not a rank whose trial stopped because another rank's did.
     """
 
     batch_size: int
@@ -167,7 +178,8 @@ class RankAgreement:
         try:
             trial = run()
             fits, slack, peak, overhead = measure(trial)
-            fields = [int(fits), self.world_size if fits else self.rank,
+            own = not fits and not str(getattr(trial, "error", "") or "").startswith(PEER_STOPPED)
+            fields = [int(fits), self.rank if own else self.world_size,
                       _ABSENT if slack is None or not fits else slack,
                       -(peak or 0) if fits else 0, -(overhead or 0) if fits else 0]
         except Exception as exc:  # noqa: BLE001 - every rank raises after the collective
@@ -274,7 +286,8 @@ def local_module(model: Any) -> Any:
     """The module a trial runs: DDP's wrapped module (see the module docstring).
 
     Raises:
-        InvalidInputError: a sharded (FSDP) model.
+        InvalidInputError: a sharded (FSDP) model (searched from its factory with
+            ``parallel=``).
 
     Example:
         >>> import torch
@@ -287,9 +300,9 @@ def local_module(model: Any) -> Any:
     names = {cls.__name__ for cls in type(model).__mro__}
     if names & {"FullyShardedDataParallel", "FSDPModule"}:
         raise InvalidInputError(
-            "sharded (FSDP) models run collectives inside forward, so a rank that runs out "
-            "of memory would leave the others waiting: search the batch size with the "
-            "unsharded model on each rank's share of the memory, or without FSDP")
+            "a sharded (FSDP) model cannot be sent to a trial process: give its unsharded "
+            "factory and the layout, search_max_batch(factory, ..., parallel="
+            "Parallelism(world_size=N, strategy='fsdp')), and each trial shards it")
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):

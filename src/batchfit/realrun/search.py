@@ -68,7 +68,9 @@ through oneDNN (batch >= 2) about 30 MiB more for ResNet-18 (gone with
 prediction being right: the first trial measures the real usage.
 
 Known limitations:
-    * Sharded (FSDP) models are refused: their forward runs collectives.
+    * A sharded model (FSDP2, HSDP, tensor parallel) is searched from its factory with
+      ``parallel=`` under ``torch.distributed``, on the CPU only, without a prediction
+      (:mod:`batchfit.realrun.sharded_trial`); an FSDP-wrapped model itself is refused.
     * The model takes usage to be affine in the batch size near the boundary; a
       staircase (allocator rounding) only costs extra trials, never a wrong answer.
 """
@@ -181,7 +183,7 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
                      boundary_runs: int = 3, timeout_s: float | None = None,
                      on_trial: Callable[[Trial], None] | None = None,
                      trial_server: Any = None, process_group: Any = None,
-                     **options: Any) -> SearchResult:
+                     parallel: Any = None, **options: Any) -> SearchResult:
     """Find the largest batch size that trains (or infers) on the real device.
 
     On the CPU every trial is a fresh process capped at ``memory_cap_bytes`` beyond its
@@ -194,7 +196,11 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
     the group must call this: each runs every trial on its own device, and a batch fits
     only if it fits on every rank, so all ranks return the same answer
     (:mod:`batchfit.realrun.distributed`). A ``DistributedDataParallel`` model is searched
-    through its wrapped module, without DDP's gradient all-reduce.
+    through its wrapped module, without DDP's gradient all-reduce. A sharded model (FSDP2,
+    HSDP, tensor parallel) is searched from its unsharded factory and ``parallel``: each
+    rank's trial process joins the other ranks' in a gloo group of that trial's own and
+    shards the model there; a trial that runs out of memory ends its process, and the
+    others' collectives fail at once (CPU only; :mod:`batchfit.realrun.sharded_trial`).
 
     Args:
         model: an ``nn.Module``, a factory, a :class:`~batchfit.models.resolve.ModelSpec` or a spec
@@ -232,6 +238,11 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
             for this search and stopped after it.
         process_group: the ranks that search together (default: every rank, when
             ``torch.distributed`` is initialized); False: this rank alone.
+        parallel: a :class:`batchfit.sharding.Parallelism` (``fsdp``, ``fsdp-grad-op``,
+            ``hsdp``, ``tp``; its world size the group's): every trial shards ``model``,
+            an unsharded factory, that way across the ranks' trial processes. The batch
+            is per rank (each rank's micro-batch); no prediction is traced (the search
+            starts from ``predicted`` or from batch 1 up).
 
     Raises:
         DoesNotFitError: even batch 1 does not fit (distributed: on some rank).
@@ -250,6 +261,13 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
     from batchfit.realrun.distributed import agreement_for, local_module
 
     agreement = None if process_group is False else agreement_for(process_group)
+    rendezvous = None
+    if parallel is not None:
+        from batchfit.realrun.sharded_trial import TrialRendezvous
+
+        with _agreed(agreement, "checking the layout"):
+            rendezvous = TrialRendezvous.start(agreement, parallel, device)
+        rendezvous.share(agreement)
     with _agreed(agreement, "checking the search's arguments"):
         model = local_module(model)
         config = make_config(config, options if not _is_optimizer(optimizer) else
@@ -272,7 +290,8 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
                     snapshot.restore()
                 if target.type == "cpu":
                     search = _CpuSearch(model, inputs, config, memory_cap_bytes,
-                                        steps_per_trial, reproducible, timeout_s, trial_server)
+                                        steps_per_trial, reproducible, timeout_s, trial_server,
+                                        rendezvous)
                 else:
                     search = _CudaSearch(model, inputs, config, target, memory_cap_bytes,
                                          steps_per_trial, optimizer, snapshot)
@@ -284,6 +303,8 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
         finally:
             if search is not None:
                 search.close()
+            if rendezvous is not None:
+                rendezvous.close()
 
 
 def _agreed(agreement: Any, what: str) -> contextlib.AbstractContextManager[None]:
@@ -538,8 +559,9 @@ class _CpuSearch(_Search):
 
     def __init__(self, model: Any, inputs: Any, config: TrainConfig, cap_bytes: int | None,
                  steps: int, reproducible: bool, timeout_s: float | None,
-                 server: Any = None):
+                 server: Any = None, rendezvous: Any = None):
         import os
+        from dataclasses import replace
 
         from batchfit.realrun.trial_server import (
             TrialServer,
@@ -562,11 +584,12 @@ class _CpuSearch(_Search):
         if self.inputs is None:
             raise InvalidInputError("no input spec: give inputs, e.g. (3, 224, 224)")
         if loss_fn is not None and config.loss_fn is None:
-            from dataclasses import replace
-
             self.config = replace(config, loss_fn=loss_fn)
         self.request = trial_request(self.source, self.inputs, 1, self.config, self.cap_bytes,
                                      steps)
+        self.rendezvous = rendezvous
+        if rendezvous is not None:  # every trial shards the model in a group of its own
+            self.request = replace(self.request, parallel=rendezvous.parallel)
         self.owns_server = server is None
         if server is None:
             environment = dict(os.environ)
@@ -574,7 +597,8 @@ class _CpuSearch(_Search):
                 environment.setdefault("MALLOC_MMAP_THRESHOLD_", str(PINNED_MMAP_THRESHOLD))
             server = TrialServer(preloads_for(self.source), env=environment)
         self.server = server
-        self.server.prepare(self.request)  # the first child warms up during the prediction
+        if rendezvous is None:  # a sharded trial's child builds in its group, not ahead
+            self.server.prepare(self.request)  # the first child warms up during the prediction
         from batchfit.realrun.fresh import FreshPool
 
         self.fresh = FreshPool(self.request, server.env, timeout_s=timeout_s)
@@ -605,6 +629,10 @@ class _CpuSearch(_Search):
         from batchfit.engine.trace import TraceReuse
         from batchfit.engine.tracer import Category
 
+        if self.rendezvous is not None:
+            # the trials find the boundary from batch 1 up; each rank's prediction is
+            # batchfit.max_batch_size(..., parallel=) for the GPU the ranks will use
+            return _Prediction(None)
         small, large = _LINE_BATCHES
         reuse = TraceReuse()
         try:
@@ -644,8 +672,10 @@ class _CpuSearch(_Search):
     def trial(self, batch_size: int) -> Trial:
         from dataclasses import replace
 
-        return self.server.run(replace(self.request, batch_size=batch_size),
-                               timeout_s=self.timeout_s)
+        request = replace(self.request, batch_size=batch_size)
+        if self.rendezvous is not None:
+            request = replace(request, group=self.rendezvous.next_group(self.timeout_s))
+        return self.server.run(request, timeout_s=self.timeout_s)
 
 
 class _InProcessSearch(_Search):

@@ -229,16 +229,18 @@ class _UsageTracker:
         self._interceptor = ti.OpInterceptor(self._on_output, lambda func, exc: None)
 
     def add(self, tensor: torch.Tensor) -> None:
-        found = ti.storage_key(tensor)
-        if found is None:
-            return
-        key, storage = found
-        nbytes = storage.nbytes()
-        if nbytes == 0 or key in self._live:
-            return
-        self._live[key] = (nbytes, ti.watch_storage(storage, lambda: self._on_free(key)))
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        for plain in ti.inner_tensors(tensor):  # a DTensor's memory is its local shard
+            found = ti.storage_key(plain)
+            if found is None:
+                continue
+            key, storage = found
+            nbytes = storage.nbytes()
+            if nbytes == 0 or key in self._live:
+                continue
+            self._live[key] = (nbytes,
+                               ti.watch_storage(storage, lambda k=key: self._on_free(k)))
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _on_free(self, key: int) -> None:
         entry = self._live.pop(key, None)

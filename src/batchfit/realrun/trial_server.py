@@ -92,7 +92,13 @@ from batchfit.realrun.trial import (
 
 @dataclass(frozen=True)
 class TrialRequest:
-    """What a child process needs to run one capped trial (pickled to it)."""
+    """What a child process needs to run one capped trial (pickled to it).
+
+    ``parallel`` (a :class:`batchfit.sharding.Parallelism`) and ``group`` (a
+    :class:`~batchfit.realrun.sharded_trial.TrialGroup`): a sharded trial, whose child
+    joins the other ranks' children in the trial's own gloo group once it has its batch
+    size, then builds, shards and warms up (a template cannot: the group is the trial's).
+    """
 
     model: Any  # a picklable factory, an nn.Module, or an importable "module:function"
     inputs: Any
@@ -101,6 +107,8 @@ class TrialRequest:
     cap_bytes: int | None
     steps: int
     num_threads: int
+    parallel: Any = None
+    group: Any = None
 
     def preparation(self) -> bytes:
         """The request without its batch size, pickled: what a child can do in advance.
@@ -507,7 +515,7 @@ def _template_main(key: bytes, control: int, output: int, main_path: str | None)
     failure, prepared, request = None, None, None
     try:
         request = _load_request(key, main_path)
-        if request.num_threads == 1:
+        if request.num_threads == 1 and request.parallel is None:
             prepared = _PreparedTrial.build(request)
     except BaseException as exc:  # noqa: BLE001 - sent back with each trial request
         failure = _frame_bytes(pickle.dumps(("error", _packed_exception(exc))))
@@ -580,13 +588,15 @@ def _trial_main(prepared: _PreparedTrial | None, request: TrialRequest, control:
             _frame(out, pickle.dumps((kind, value)))
 
         try:
-            if prepared is None:
+            if prepared is None and request.group is None:
                 prepared = _PreparedTrial.build(request)
             with os.fdopen(control, "rb", buffering=0) as pipe:
                 try:
                     (batch_size,) = struct.unpack("<q", _read_exact(pipe, 8))
                 except EOFError:  # discarded before use
                     return
+            if prepared is None:  # sharded: the group is this trial's, joined only now
+                prepared = _PreparedTrial.build(request)
             emit("result", prepared.run(batch_size, lambda info: emit("capped", info)))
         except BaseException as exc:  # noqa: BLE001 - sent back and re-raised in the parent
             emit("error", _packed_exception(exc))
@@ -631,6 +641,16 @@ def _build_from_source(source: Any, setup: _StepSetup) -> nn.Module:
     return source if isinstance(source, nn.Module) else _checked_module(setup.build(source))
 
 
+def _sharded_peer_stopped(exc: BaseException) -> bool:
+    """A sharded trial's collective failed because a peer's process has gone (only a
+    sharded trial's process has a process group; others import nothing here)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from batchfit.realrun.sharded_trial import peer_stopped
+
+    return peer_stopped(exc)
+
+
 def _warm_up(runner: StepRunner, setup: _StepSetup, generator: torch.Generator) -> None:
     """One step at batch 1, or at batch 2 for models that cannot train on one sample
     (BatchNorm over a single value per channel raises)."""
@@ -638,7 +658,9 @@ def _warm_up(runner: StepRunner, setup: _StepSetup, generator: torch.Generator) 
     try:
         runner.batch = setup.batch(1, generator)
         step()
-    except Exception:  # noqa: BLE001 - retried once; a second failure is the user's error
+    except Exception as exc:  # retried once; a second failure is the user's error
+        if _sharded_peer_stopped(exc):  # a sharded trial's peer has gone: its group is broken
+            raise
         runner.drop_gradients()
         runner.batch = setup.batch(2, generator)
         step()
@@ -658,12 +680,22 @@ class _PreparedTrial:
     def build(cls, request: TrialRequest, *, pin_threads: bool = True) -> _PreparedTrial:
         """``pin_threads``: set the request's thread count even where it is the process's
         already (a template: 1, see _template_main); False leaves a fresh interpreter's
-        own setting alone unless the caller had changed it (realrun/fresh.py)."""
+        own setting alone unless the caller had changed it (realrun/fresh.py). In a
+        forked child it also replaces the pthreadpool inherited from the parent here, on
+        the only thread, before a sharded model's backward starts threads that would race
+        to replace it (see :mod:`batchfit.realrun.sharded_trial`)."""
         if pin_threads or request.num_threads != torch.get_num_threads():
             torch.set_num_threads(request.num_threads)
         torch.manual_seed(0)
-        setup = _StepSetup.of(request.inputs, request.config, torch.device("cpu"))
-        model = setup.prepare(_build_from_source(request.model, setup))
+        if request.group is not None:
+            from batchfit.realrun.sharded_trial import join_and_shard, step_config
+
+            setup = _StepSetup.of(request.inputs, step_config(request), torch.device("cpu"))
+            model = join_and_shard(request, setup,
+                                   lambda: _build_from_source(request.model, setup))
+        else:
+            setup = _StepSetup.of(request.inputs, request.config, torch.device("cpu"))
+            model = setup.prepare(_build_from_source(request.model, setup))
         generator = torch.Generator().manual_seed(0)
         runner = setup.runner(model, None, generator)
         _warm_up(runner, setup, generator)
@@ -695,9 +727,16 @@ class _PreparedTrial:
                                               self.request.steps, self.generator, tracker)
             result["used_bytes"] = tracker.data_peak - segment_start
         except Exception as exc:
-            if not is_out_of_memory(exc):
+            if is_out_of_memory(exc):
+                result.update(fits=False, error=_one_line(exc))
+            elif _sharded_peer_stopped(exc):
+                # another rank's trial ran out of memory and its process ended: not this
+                # rank's limit, and never a wait (see batchfit.realrun.sharded_trial)
+                from batchfit.realrun.sharded_trial import PEER_STOPPED
+
+                result.update(fits=False, error=f"{PEER_STOPPED}: {_one_line(exc)}")
+            else:
                 raise
-            result.update(fits=False, error=_one_line(exc))
             release_exception(exc)
         result["seconds"] = time.perf_counter() - start
         return result

@@ -68,6 +68,7 @@ class Offload(StrEnum):
     * ``optimizer``: the optimizer state and the fp32 master weights (DeepSpeed
       ``offload_optimizer``, ZeRO 1-3).
     * ``params``: parameters, gradients and optimizer state (FSDP2 ``CPUOffloadPolicy``,
+      FSDP1 ``CPUOffload(offload_params=True)``,
       DeepSpeed ZeRO-3 ``offload_param``
       together with ``offload_optimizer``).
     """
@@ -83,7 +84,7 @@ _OFFLOADS: dict[Strategy, frozenset[Offload]] = {
     Strategy.FSDP: frozenset({Offload.NONE, Offload.PARAMS}),
     Strategy.FSDP_GRAD_OP: frozenset({Offload.NONE, Offload.PARAMS}),
     Strategy.HSDP: frozenset({Offload.NONE, Offload.PARAMS}),
-    Strategy.FSDP1: frozenset({Offload.NONE}),  # FSDP1's CPUOffload is not modelled
+    Strategy.FSDP1: frozenset({Offload.NONE, Offload.PARAMS}),  # FSDP1's CPUOffload
     Strategy.ZERO1: frozenset({Offload.NONE, Offload.OPTIMIZER}),
     Strategy.ZERO2: frozenset({Offload.NONE, Offload.OPTIMIZER}),
     Strategy.ZERO3: frozenset({Offload.NONE, Offload.OPTIMIZER, Offload.PARAMS}),

@@ -360,9 +360,17 @@ class FSDP1Transform(_Transform):
 
     FSDP1 flattens and shards a materialised module, so it wraps the fake twin (as DDP
     does); it frees and re-gathers its padded flat parameter by resizing storages. One
-    forward and backward, the optimizer on meta twins of the local shards."""
+    forward and backward, the optimizer on meta twins of the local shards.
+
+    ``CPUOffload(offload_params=True)`` (``offload="params"``) runs FSDP1's own offload
+    code; what a CPU trace cannot see, because its compute device is the host, is added
+    and taken off as on a GPU (:mod:`batchfit.sharding.fsdp1_offload`). With
+    :attr:`host_is_device` the trace is that of a run whose compute device is the host
+    (a real gloo run on this CPU, which checks it): nothing is added or taken off."""
 
     whole_steps = False
+    #: True: trace the step as it runs when the compute device is the host (gloo on CPU).
+    host_is_device = False
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -374,17 +382,42 @@ class FSDP1Transform(_Transform):
         import warnings
 
         self._follow(tracer)
+        mark = len(tracer.events)
         twin = _fake_twin(meta_model, fake_mode, float_dtype, checkpointing)
+        offload = self.layout.offload is Offload.PARAMS and not self.host_is_device
+        built: set[int] = set()
+        if offload:
+            # the model is built on the host (FSDP1 moves each unit's parameters to the GPU
+            # as it wraps it, and the shard back: fsdp1_offload's module docstring); the
+            # buffers it moves stay on the GPU
+            from batchfit.engine.tracer import EventKind
+
+            built = {e.key for e in tracer.events[mark:] if e.kind is EventKind.ALLOC}
+            built |= {uid for p in twin.parameters() for uid in tracer.uids(p)}
+            built -= {uid for b in twin.buffers() for uid in tracer.uids(b)}
         with warnings.catch_warnings():  # FSDP1 compares storage pointers (fake: 0)
             warnings.simplefilter("ignore", UserWarning)
             self.module = shard_model(twin, self.layout, self.world, self.precision)
+        self._offload = None
+        if offload:
+            from batchfit.sharding.fsdp1_offload import HostOffload
+
+            self._offload = HostOffload(self.module, tracer, built)
         return self.module
+
+    def finish(self, trace: Any) -> Any:
+        return self._offload.on_device(trace) if self._offload is not None else trace
 
 
 def _fsdp1(model: nn.Module, layout: Parallelism, precision: Precision) -> nn.Module:
     import functools
 
-    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import (
+        CPUOffload,
+        FullyShardedDataParallel,
+        MixedPrecision,
+        ShardingStrategy,
+    )
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
     units = {id(unit) for _, unit in sharded_units(model, layout.wrap)}
@@ -392,11 +425,17 @@ def _fsdp1(model: nn.Module, layout: Parallelism, precision: Precision) -> nn.Mo
     param, reduce, _ = mixed_precision(layout, precision)
     strategy = (ShardingStrategy.FULL_SHARD if layout.resharded_after_forward
                 else ShardingStrategy.SHARD_GRAD_OP)
-    return FullyShardedDataParallel(
+    offload = layout.offload is Offload.PARAMS
+    wrapped = FullyShardedDataParallel(
         model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True,
-        sharding_strategy=strategy,
+        sharding_strategy=strategy, cpu_offload=CPUOffload(offload_params=offload),
         mixed_precision=MixedPrecision(param_dtype=param, reduce_dtype=reduce)
         if param is not None or reduce is not None else None)
+    if offload:
+        from batchfit.sharding.fsdp1_offload import run_on_this_host
+
+        run_on_this_host(wrapped)
+    return wrapped
 
 
 def _set_prefetch(units: list[nn.Module], count: int) -> None:
