@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchfit.engine import _torch_internals as ti
 from batchfit.engine.trace import StepTrace
 from batchfit.engine.tracer import Category, Phase, Tracer
 
@@ -176,4 +177,5 @@ class HostOffload:
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    key_a, key_b = ti.storage_key(a), ti.storage_key(b)
+    return key_a is not None and key_b is not None and key_a[0] == key_b[0]
