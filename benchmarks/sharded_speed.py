@@ -20,7 +20,8 @@ Medians of ``--runs`` (default 3) interleaved runs; this machine is shared and n
 one-minute load average before and after each run is recorded with it. The peers run
 ``--peer-runs`` times (default 1: they take minutes here), in the first rounds.
 
-Usage: python benchmarks/sharded_speed.py [--runs 3] [--peer-runs 1] [--from-log OUTPUT.txt]
+Usage: python benchmarks/sharded_speed.py [--runs 3] [--peer-runs 1] [--only ROWS]
+       [--from-log OUTPUT.txt]
 Writes benchmarks/results/sharded_speed.{json,md}.
 """
 
@@ -48,20 +49,23 @@ PLAN_8B = [BATCHFIT, "plan", "hf:meta-llama/Meta-Llama-3-8B", "--gpus", '8x"H100
 
 def bisection_plan_cli() -> None:
     """``batchfit plan`` with the micro-batch search it had before (commit 3c61069): a
-    bisection over the divisors, one rank-0 trace each, each building the model anew."""
+    bisection over the divisors, one rank-0 trace each, each building the model anew, in
+    sequence (no traces in pairs)."""
     import batchfit.speed.plan as plan_module
     from batchfit.cli import main as cli_main
 
-    def bisection(model, inputs, config, device, layout, per_replica, shared=None):
+    def bisection(needs, layout, config, per_replica):
         from batchfit.answers.ranks import estimate_ranks
 
         divisors = [b for b in range(1, per_replica + 1) if per_replica % b == 0]
         sizes: dict[int, int] = {}
+        device = needs.device
 
         def need(batch: int) -> int:
             if batch not in sizes:
-                sizes[batch] = estimate_ranks(model, inputs, batch, config, device=device,
-                                              parallel=layout, first_step=False).total_bytes
+                sizes[batch] = estimate_ranks(needs.model, needs.inputs, batch, config,
+                                              device=device, parallel=layout,
+                                              first_step=False).total_bytes
             return sizes[batch]
 
         low, high = -1, len(divisors)
@@ -75,7 +79,8 @@ def bisection_plan_cli() -> None:
             return None, need(divisors[0])
         return divisors[low], need(divisors[low])
 
-    plan_module._largest_divisor_that_fits = bisection
+    plan_module._Needs.largest_divisor_that_fits = bisection
+    plan_module._Needs.first_pair = lambda needs, variants: None  # in sequence, one at a time
     sys.argv = ["batchfit", *PLAN_8B[1:]]
     cli_main()
 
@@ -141,9 +146,10 @@ def peer_fsdp_memtracker() -> None:
                       "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 
 
-def write_results(rows: dict[str, list[dict]], runs: int, complete: bool) -> str:
-    """Medians so far to benchmarks/results/sharded_speed.{json,md} (written after every
-    run: a run cut short keeps what it measured)."""
+def write_results(rows: dict[str, list[dict]], runs: int, complete: bool,
+                  stem: str = "sharded_speed") -> str:
+    """Medians so far to benchmarks/results/STEM.{json,md} (written after every run: a run
+    cut short keeps what it measured)."""
     summary: dict[str, dict] = {}
     for name, results in rows.items():
         ok = [r for r in results if "error" not in r]
@@ -177,7 +183,7 @@ def write_results(rows: dict[str, list[dict]], runs: int, complete: bool) -> str
                         "peer_plan": "python benchmarks/sharded_speed.py --peer-plan"},
            "runs_planned": runs, "complete": complete, "summary": summary}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "sharded_speed.json").write_text(json.dumps(out, indent=2) + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
     lines = [("| what | runs (s) [load average before-after] | median s | median peak RSS GB | "
               "target | met | ratio to its peer (same round) |"),
              "|---|---|---|---|---|---|---|"]
@@ -202,7 +208,7 @@ def write_results(rows: dict[str, list[dict]], runs: int, complete: bool) -> str
     if not complete:
         lines.append("\nIncomplete: the run stopped before all rounds finished.")
     text = "\n".join(lines) + "\n"
-    (RESULTS / "sharded_speed.md").write_text(text)
+    (RESULTS / f"{stem}.md").write_text(text)
     return text
 
 
@@ -229,6 +235,9 @@ def main() -> None:
     parser.add_argument("--peer-runs", type=int, default=1,
                         help="runs of the peer (FSDPMemTracker takes minutes per run here)")
     parser.add_argument("--from-log", help="rebuild the results from a cut-short run's output")
+    parser.add_argument("--only", help="comma-separated rows to run (estimate_70b, "
+                        "peer_fsdp_memtracker, plan_8b, peer_plan_bisection); the results "
+                        "go to sharded_speed_ROWS.{json,md}")
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--peer-plan", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -241,6 +250,7 @@ def main() -> None:
     if args.from_log:
         print(write_results(from_log(args.from_log), args.runs, complete=False))
         return
+    stem = "sharded_speed" + ("_" + args.only.replace(",", "_") if args.only else "")
     peer_command = [sys.executable, __file__, "--peer"]
     plan_peer = [sys.executable, __file__, "--peer-plan"]
     rows: dict[str, list[dict]] = {"estimate_70b": [], "peer_fsdp_memtracker": [], "plan_8b": [],
@@ -251,6 +261,8 @@ def main() -> None:
                               ("peer_plan_bisection", plan_peer)):
             if name.startswith("peer") and index >= args.peer_runs:
                 continue
+            if args.only and name not in args.only.split(","):
+                continue
             try:
                 result = run(command)
             except RuntimeError as exc:
@@ -260,8 +272,8 @@ def main() -> None:
                   f"{result.get('load_before', 0):.2f}-{result.get('load_after', 0):.2f}",
                   flush=True)
             rows[name].append(result)
-            write_results(rows, args.runs, complete=False)
-    print(write_results(rows, args.runs, complete=True))
+            write_results(rows, args.runs, complete=False, stem=stem)
+    print(write_results(rows, args.runs, complete=True, stem=stem))
 
 
 if __name__ == "__main__":

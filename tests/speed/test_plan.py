@@ -1,6 +1,6 @@
 """``plan``'s micro-batch search: the answer a bisection over the divisors gives, from fewer
 traces (a line through two needs, confirmed on both sides), and the plan's rows on a small
-model equal to tracing every divisor."""
+model equal to tracing every divisor, with the roofline's micro-step as their compute."""
 
 from __future__ import annotations
 
@@ -86,6 +86,66 @@ def test_affine_needs_take_at_most_four_traces_and_nothing_fits_takes_one():
     assert asked == [1, 16, 32]
 
 
+def paired(need):
+    """``need`` two at a time, as a pool with a worker runs them: each call is a round."""
+    rounds: list[list[int]] = []
+
+    def need_two(batches: list[int]) -> dict[int, int]:
+        assert len(batches) == 2
+        rounds.append(list(batches))
+        return {b: need(b) for b in batches}
+
+    return need_two, rounds
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_in_pairs_the_answer_is_still_the_bisections(seed):
+    rng = random.Random(seed)
+    divisors = divisors_of(rng.choice([1, 2, 12, 64, 96, 128, 360, 1024]))
+    base, slope = rng.randint(1, 10**6), rng.randint(1, 10**4)
+    power = rng.choice([1.0, 0.7, 1.3, 2.0])
+    step = rng.choice([1, 512, 20_000])
+
+    def need(b: int) -> int:
+        return (base + int(slope * b ** power) + step - 1) // step * step
+
+    budget = rng.randint(base // 2, need(divisors[-1]) + slope)
+    single, asked = counted(need)
+    need_two, rounds = paired(need)
+    answer = largest_fitting_divisor(divisors, single, budget, None, need_two)
+    assert answer == bisection(divisors, need, budget)[0]
+    traced = asked + [b for pair in rounds for b in pair]
+    assert len(traced) == len(set(traced))  # each micro-batch traced once
+
+
+def test_in_pairs_an_affine_need_takes_two_rounds():
+    # round 1: the first two divisors (the line); round 2: the largest divisor the line
+    # fits and the one above it, which settle the bracket: two traces' time, not four
+    divisors = divisors_of(128)
+    for budget in range(16, 500, 7):
+        single, asked = counted(lambda b: 13 + 3 * b)
+        need_two, rounds = paired(lambda b: 13 + 3 * b)
+        answer = largest_fitting_divisor(divisors, single, budget, None, need_two)
+        assert answer == bisection(divisors, lambda b: 13 + 3 * b, budget)[0]
+        assert rounds[0] == [1, 2] and len(rounds) + len(asked) <= 2, (budget, rounds, asked)
+    need_two, rounds = paired(lambda b: 13 + 3 * b)  # 16 fits (61), 32 does not (109)
+    assert largest_fitting_divisor(divisors, None, 100, None, need_two) == 16
+    assert rounds == [[1, 2], [16, 32]]
+
+
+def test_needs_traced_before_are_not_asked_again():
+    # the plan traces a layout's first two variants at 1 together; the next variant's
+    # search starts from that need: with another layout's slope, one round (16 and 32)
+    divisors = divisors_of(128)
+    single, asked = counted(lambda b: 10 + 3 * b)
+    need_two, rounds = paired(lambda b: 10 + 3 * b)
+    assert largest_fitting_divisor(divisors, single, 60, 3.0, need_two, known={1: 13}) == 16
+    assert asked == [] and rounds == [[16, 32]]
+    single, asked = counted(lambda b: 10 + 3 * b)  # in sequence, without a slope: 2, 16, 32
+    assert largest_fitting_divisor(divisors, single, 60, known={1: 13}) == 16
+    assert asked == [2, 16, 32]
+
+
 def test_the_plan_on_a_small_model_equals_tracing_every_divisor():
     # A 16-layer MLP over 2,048 tokens on 16 GB cards: the weights (~0.27 B parameters,
     # AdamW) take a quarter of the card and the activations bind at a micro-batch between
@@ -105,6 +165,12 @@ def test_the_plan_on_a_small_model_equals_tracing_every_divisor():
                   strategies=["ddp", "fsdp"], checkpointing="off", offload="none")
     device = gpu_profile(find_gpu("T4"))
     from batchfit.sharding.layout import Parallelism
+    from batchfit.speed.op_costs import step_costs, step_times
+    from batchfit.speed.rates import gpu_roofline_profile
+
+    costs = step_costs(mlp, inputs, config, device)
+    roofline = gpu_roofline_profile(find_gpu("T4"), config.precision)
+    assert costs is not None
 
     for row in result.rows:
         layout = Parallelism(world_size=2, strategy=row.strategy, rank=0)
@@ -115,3 +181,8 @@ def test_the_plan_on_a_small_model_equals_tracing_every_divisor():
         assert 1 < row.micro_batch_size < 64
         assert row.memory_per_gpu_bytes == needs[row.micro_batch_size]
         assert row.accumulation_steps == 64 // row.micro_batch_size
+        # compute: the roofline's micro-step at that micro-batch, once per micro-step; the
+        # MLP's costs are affine in the batch, so the fit through 4, 5 and 8 that
+        # ``predict_throughput`` uses gives the same micro-step
+        micro_s = step_times(costs, roofline, [row.micro_batch_size])[0].step_s
+        assert row.compute_s == pytest.approx(micro_s * row.accumulation_steps, rel=1e-9)

@@ -53,13 +53,14 @@ class TracePool:
     def map(self, batch_sizes: Sequence[int]) -> dict[int, Any]:
         todo = list(batch_sizes)
         result: dict[int, Any] = {}
-        while len(todo) >= 2 and self._parallel():
+        while len(todo) >= 2 and self.parallel():
             first, second, *todo = todo
             result.update(self._pair(first, second))
         result.update({b: self._trace(b) for b in todo})
         return result
 
-    def _parallel(self) -> bool:
+    def parallel(self) -> bool:
+        """Whether a pair would run at once now (the first call forks the worker)."""
         if not self._allowed:
             return False
         if self._worker is not None:  # forked already: only the machine's load can say no
