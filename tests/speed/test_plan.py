@@ -186,3 +186,45 @@ def test_the_plan_on_a_small_model_equals_tracing_every_divisor():
         # ``predict_throughput`` uses gives the same micro-step
         micro_s = step_times(costs, roofline, [row.micro_batch_size])[0].step_s
         assert row.compute_s == pytest.approx(micro_s * row.accumulation_steps, rel=1e-9)
+
+
+_PLAN_IN_A_FRESH_PROCESS = """
+import json
+import torch
+from batchfit.answers import tracepool
+from batchfit.engine.spec import TrainConfig
+from batchfit.speed.plan import plan
+
+pairs = []
+pair = tracepool.TracePool._pair
+tracepool.TracePool._pair = lambda self, a, b: pairs.append((a, b)) or pair(self, a, b)
+mlp = lambda: torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(16)])
+result = plan(mlp, (2048, 4096), TrainConfig(optimizer="adamw", precision="amp-bf16"),
+              gpus="2xT4", global_batch=128, strategies=["ddp", "fsdp"], checkpointing="off",
+              offload="none")
+print(json.dumps({"pairs": len(pairs), "rows": [r.to_dict() for r in result.rows]}))
+"""
+
+
+def test_the_plan_in_pairs_equals_the_plan_in_sequence():
+    # The worker is forked before the process's first backward, so this runs where a user
+    # runs it: a fresh process (pytest's has run backward passes). The requests the worker
+    # is sent are numbers into a table built before the fork; its answers must be the
+    # rows the same plan gives traced one at a time here.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def run(parallel: str) -> dict:
+        env = {**os.environ, "BATCHFIT_PARALLEL_TRACES": parallel}
+        done = subprocess.run([sys.executable, "-c", _PLAN_IN_A_FRESH_PROCESS], env=env,
+                              capture_output=True, text=True, timeout=600, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    in_sequence, in_pairs = run("0"), run("1")
+    assert in_sequence["pairs"] == 0
+    if in_pairs["pairs"] == 0:
+        pytest.skip("no idle core for the worker on this machine right now")
+    assert in_pairs["rows"] == in_sequence["rows"]
+    assert all(row["feasible"] for row in in_pairs["rows"])
