@@ -366,10 +366,7 @@ class Tracer:
             self.kernel_limit = worst(self.kernel_limit, check_op(
                 name, args, outputs, self._stack, where))
             if (copy := input_copy_bytes(name, args, self._stack)) > 0:
-                uid = next(_UIDS)
-                for kind in (EventKind.ALLOC, EventKind.FREE):
-                    self.events.append(Event(kind, uid, copy, Category.TEMPORARIES, where,
-                                             INPUT_COPY_OP, self.phase))
+                self._in_call(copy, where, INPUT_COPY_OP)
             if self._cudnn_benchmark is not None and name in _CONVOLUTIONS:
                 self._add_cudnn_workspace(name, args, outputs, where)
         scratch = scratch_for(func) if self.in_op_scratch else None
@@ -387,10 +384,15 @@ class Tracer:
         nbytes = benchmark_workspace_bytes(name, args, outputs, self._cudnn_benchmark, routed,
                                            splits_batch=self._stack.cudnn_splits_batch)
         if nbytes > 0:
-            uid = next(_UIDS)
-            for kind in (EventKind.ALLOC, EventKind.FREE):
-                self.events.append(Event(kind, uid, nbytes, Category.TEMPORARIES, where,
-                                         f"cudnn workspace ({name})", self.phase))
+            self._in_call(nbytes, where, f"cudnn workspace ({name})")
+
+    def _in_call(self, nbytes: int, where: str, op: str) -> None:
+        """A temporary a kernel call allocates and frees inside itself (a workspace, an
+        input copy), with no tensor to stand for it."""
+        uid = next(_UIDS)
+        for kind in (EventKind.ALLOC, EventKind.FREE):
+            self.events.append(Event(kind, uid, nbytes, Category.TEMPORARIES, where, op,
+                                     self.phase))
 
     def _category_for(self, func: Any, args: tuple) -> Category:
         if self.category_rule is not None and (ruled := self.category_rule(func)) is not None:
