@@ -54,6 +54,22 @@ def convs() -> nn.Module:
                          nn.Conv2d(32, 32, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
 
 
+class NormOverChannels(nn.Module):
+    """ConvNeXt's block order: a depthwise 7x7 convolution, then LayerNorm over the channels
+    of the NCHW activation permuted to NHWC. The LayerNorm kernel copies its strided input
+    (``expect_contiguous``): at B=64 one more 8 MiB activation at the step's peak, which the
+    trace missed (-33% on a LayerNorm-only step) before kernels.py modelled it."""
+
+    def __init__(self, channels: int = 32) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(channels, channels, 7, padding=3, groups=channels)
+        self.norm = nn.LayerNorm(channels)
+        self.fc = nn.Linear(channels, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(self.dw(x).permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+
+
 def tiny_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -72,6 +88,10 @@ CASES = {
     "gpt2-tiny-amp-bf16": (tiny_gpt2, {"input_ids": TOKENS, "labels": TOKENS}, 4,
                            TrainConfig(optimizer="adamw", precision="amp-bf16")),
     "mlp-infer": (mlp, (256,), 1024, TrainConfig(mode="infer")),
+    "norm-over-permuted-channels-infer": (NormOverChannels, (32, 32, 32), 64,
+                                          TrainConfig(mode="infer")),
+    "norm-over-permuted-channels-sgd": (NormOverChannels, (32, 32, 32), 64,
+                                        TrainConfig(optimizer="sgd")),
 }
 
 

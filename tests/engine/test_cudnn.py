@@ -153,7 +153,13 @@ def test_trace_allocates_the_input_copy_at_the_convolution():
 
     device = batchfit.DeviceProfile.cuda(24 << 30, (8, 9))
     config = TrainConfig(mode="infer", precision="amp-fp16", stack="torch2.4+cu124")
-    found = [e for e in trace_step(Gated, (4, 4, 16), 8, config, device).steady_events
-             if e.op == "contiguous input copy (aten.convolution.default)"]
+    events = trace_step(Gated, (4, 4, 16), 8, config, device).steady_events
+    found = [e for e in events if e.op == "contiguous input copy (aten.convolution.default)"]
     assert [(e.kind, e.nbytes, e.module) for e in found] == [
         (EventKind.ALLOC, 4096, "conv"), (EventKind.FREE, 4096, "conv")]
+    # _convolution copies the input before the backend allocates the output (4,096 B)
+    # and drops the copy when it returns
+    conv = [(e.kind, e.op) for e in events if e.module == "conv" and e.nbytes == 4096]
+    assert conv[:3] == [(EventKind.ALLOC, "contiguous input copy (aten.convolution.default)"),
+                        (EventKind.ALLOC, "aten.convolution.default"),
+                        (EventKind.FREE, "contiguous input copy (aten.convolution.default)")]

@@ -77,3 +77,48 @@ def test_pooling_backward_scratch_matches_the_real_kernel(pool, input_format) ->
     assert kernels.scratch_for(op)(args) == pytest.approx(measured, rel=0.01, abs=4096)
     if input_format is torch.channels_last:
         assert measured >= x.numel() * 4  # the mismatched case copies at least the input
+
+
+def test_layer_norm_copies_a_strided_input_by_hand() -> None:
+    # layer_norm_cuda / layer_norm_cpu: ``input.expect_contiguous()`` before the output.
+    # A (2, 16, 8, 8) fp32 activation permuted to NHWC is not contiguous: its dense copy
+    # is 2*16*8*8*4 = 8,192 B; the same tensor made contiguous is passed as it is.
+    forward = kernels.input_copies_for(torch.ops.aten.native_layer_norm.default)
+    permuted = torch.empty(2, 16, 8, 8, device="meta").permute(0, 2, 3, 1)
+    assert forward((permuted, [16], None, None, 1e-5)) == (8192, 0)
+    assert forward((permuted.contiguous(), [16], None, None, 1e-5)) == (0, 0)
+    # backward: ``input.expect_contiguous()`` before dX/dgamma/dbeta, then the kernel on
+    # ``dY.contiguous()``; a (2, 8, 8, 16) fp16 dY transposed is 2*8*8*16*2 = 4,096 B
+    backward = kernels.input_copies_for(torch.ops.aten.native_layer_norm_backward.default)
+    grad = torch.empty(2, 8, 16, 8, dtype=torch.float16, device="meta").transpose(2, 3)
+    assert backward((grad, permuted, [16], None, None, None, None, [True] * 3)) == (8192, 4096)
+    assert backward((grad.contiguous(), permuted.contiguous(), [16], None, None, None, None,
+                     [True] * 3)) == (0, 0)
+    assert kernels.input_copies_for(torch.ops.aten.gelu.default) is None  # TensorIterator
+
+
+def test_trace_holds_the_layer_norm_copy_with_the_output_then_frees_it() -> None:
+    # ConvNeXt's block order: an NCHW activation permuted to NHWC into LayerNorm(16), at
+    # batch 4 of (16, 8, 8) fp32: the copy and the output are 4*8*8*16*4 = 16,384 B each;
+    # the copy is allocated first (the kernel copies, then allocates Y) and dies with the call.
+    from torch import nn
+
+    from batchfit import DeviceProfile, TrainConfig
+    from batchfit.engine.trace import trace_step
+    from batchfit.engine.tracer import EventKind
+
+    class Norm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = nn.LayerNorm(16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.ln(x.permute(0, 2, 3, 1))
+
+    events = trace_step(Norm, (16, 8, 8), 4, TrainConfig(mode="infer"),
+                        DeviceProfile.cpu()).steady_events
+    at_norm = [(e.kind, e.nbytes, e.op) for e in events if e.module == "ln" and e.nbytes == 16384]
+    copy = "contiguous input copy (aten.native_layer_norm.default)"
+    assert at_norm[:3] == [(EventKind.ALLOC, 16384, copy),
+                       (EventKind.ALLOC, 16384, "aten.native_layer_norm.default"),
+                       (EventKind.FREE, 16384, copy)]

@@ -132,8 +132,11 @@ def benchmark_workspace_bytes(op: str, args: tuple, outputs: list[torch.Tensor],
     return 0
 
 
-#: The op name of the input copy a convolution makes (:func:`input_copy_bytes`).
-INPUT_COPY_OP = "contiguous input copy (aten.convolution.default)"
+def input_copy_op(op: str) -> str:
+    """The op name of the input copy a kernel makes (:func:`input_copy_bytes`;
+    :func:`batchfit.engine.kernels.input_copies_for`), e.g.
+    ``contiguous input copy (aten.convolution.default)``."""
+    return f"contiguous input copy ({op})"
 
 
 def input_copy_bytes(op: str, args: tuple, stack: Any) -> int:

@@ -24,6 +24,13 @@ takes other kernels), so each distinct convolution is run for real at batch 2 an
 extrapolated (exact to 0.1% at batch 8 and 60 in our checks). The tracer adds it
 as a temporary allocated and freed right after the op's outputs. CPU targets only:
 cuDNN's workspaces follow other rules (DeviceProfile.workspace_bytes).
+
+A third registry holds the **dense copies a kernel makes of a strided input**, on CPU
+and CUDA targets alike: read from the kernel's source (``input.expect_contiguous()``),
+not measured. LayerNorm over a permuted activation (ConvNeXt's channels-last norm on an
+NCHW tensor) copies its input inside the call, one more input's worth at that op
+(measured on this CPU: an inference step whose peak is that LayerNorm was 33% above
+the trace without it). The tracer adds each copy as a temporary alive for the call.
 """
 
 from __future__ import annotations
@@ -290,6 +297,47 @@ def _addmm_scratch(args: tuple) -> int:
 @register_scratch(torch.ops.aten.bmm.default)
 def _bmm_scratch(args: tuple) -> int:
     return _matmul_scratch(torch.ops.aten.bmm.default, args, 0)
+
+
+# -- copies a kernel makes of its inputs ---------------------------------------------------
+
+#: ``copies(args) -> (before, after)``: bytes of the dense copies a kernel makes of
+#: strided inputs inside the call, ``before`` it allocates its outputs and ``after``.
+InputCopies = Callable[[tuple], tuple[int, int]]
+
+
+def _dense_copy_bytes(tensor: Any) -> int:
+    """The bytes ``tensor.contiguous()`` allocates: 0 for a contiguous tensor, which it
+    returns as it is (``expect_contiguous`` borrows it), else a dense copy."""
+    if not isinstance(tensor, torch.Tensor) or tensor.is_contiguous():
+        return 0
+    return tensor.numel() * tensor.element_size()
+
+
+def _layer_norm_copies(args: tuple) -> tuple[int, int]:
+    # layer_norm_cuda (aten/src/ATen/native/cuda/layer_norm_kernel.cu) and layer_norm_cpu
+    # (aten/src/ATen/native/layer_norm.cpp): ``auto X = input.expect_contiguous();``, then
+    # ``Y = at::native::empty_like(*X, ...)``: a strided input (ConvNeXt's NCHW activation
+    # permuted to NHWC) is copied before the output is allocated and dies with the call.
+    return _dense_copy_bytes(args[0]), 0
+
+
+def _layer_norm_backward_copies(args: tuple) -> tuple[int, int]:
+    # layer_norm_backward_cuda / layer_norm_backward_cpu: ``input.expect_contiguous()``
+    # before dX, dgamma and dbeta are allocated; the kernel then runs on
+    # ``dY.contiguous()`` (LayerNormBackwardKernelImpl). args: (grad_out, input, ...).
+    return _dense_copy_bytes(args[1]), _dense_copy_bytes(args[0])
+
+
+_INPUT_COPIES: dict[Any, InputCopies] = {
+    torch.ops.aten.native_layer_norm.default: _layer_norm_copies,
+    torch.ops.aten.native_layer_norm_backward.default: _layer_norm_backward_copies,
+}
+
+
+def input_copies_for(op: Any) -> InputCopies | None:
+    """The rule for the input copies ``op``'s kernel makes on CPU and CUDA alike, or None."""
+    return _INPUT_COPIES.get(op)
 
 
 # -- decompositions run in the trace ------------------------------------------------------

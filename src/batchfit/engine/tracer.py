@@ -31,13 +31,14 @@ from torch import nn
 
 from batchfit.engine import _torch_internals as ti
 from batchfit.engine.cudnn import (
-    INPUT_COPY_OP,
     benchmark_workspace_bytes,
     input_copy_bytes,
+    input_copy_op,
     is_routed_to_cudnn,
 )
 from batchfit.engine.kernels import (
     decomposition_for,
+    input_copies_for,
     is_outputs_only,
     scalar_reads_allowed,
     scratch_for,
@@ -336,6 +337,7 @@ class Tracer:
             return
         for observe in self.observers:
             observe(func, args, out)
+        first_output = len(self.events)  # where copies made before the outputs go
         module = None
         op = None
         fix = size_fix_for(func)
@@ -360,15 +362,25 @@ class Tracer:
             numel = tensor.numel()
             if numel > self.largest[0]:
                 self.largest = (numel, op, module)
+        copies = input_copies_for(func)
+        before, after = copies(args) if copies is not None else (0, 0)
         if self._stack is not None and (name := str(func)) in LIMIT_RULES:
             outputs = [t for t in ti.iter_tensors(out) if isinstance(t, torch.Tensor)]
             where = module if module is not None else self.current_module()
             self.kernel_limit = worst(self.kernel_limit, check_op(
                 name, args, outputs, self._stack, where))
-            if (copy := input_copy_bytes(name, args, self._stack)) > 0:
-                self._in_call(copy, where, INPUT_COPY_OP)
+            before += input_copy_bytes(name, args, self._stack)
             if self._cudnn_benchmark is not None and name in _CONVOLUTIONS:
                 self._add_cudnn_workspace(name, args, outputs, where)
+        if before or after:
+            where = module if module is not None else self.current_module()
+            # Copied before the outputs (and a workspace) are allocated, or after them;
+            # both die when the call returns.
+            copied = [self._input_copy(nbytes, where, func, at) for nbytes, at in
+                      ((before, first_output), (after, None)) if nbytes]
+            for alloc in copied:
+                self.events.append(Event(EventKind.FREE, alloc.key, alloc.nbytes,
+                                         alloc.category, alloc.module, alloc.op, self.phase))
         scratch = scratch_for(func) if self.in_op_scratch else None
         if scratch is not None and (nbytes := scratch(args)) > 0:
             uid = next(_UIDS)
@@ -385,6 +397,19 @@ class Tracer:
                                            splits_batch=self._stack.cudnn_splits_batch)
         if nbytes > 0:
             self._in_call(nbytes, where, f"cudnn workspace ({name})")
+
+    def _input_copy(self, nbytes: int, where: str, func: Any, at: int | None) -> Event:
+        """The dense copy a kernel makes of a strided input (:func:`input_copy_bytes`,
+        :func:`~batchfit.engine.kernels.input_copies_for`), allocated at event index ``at``
+        (before the op's outputs, as the kernel copies first) or now; the caller frees it
+        when the call returns."""
+        alloc = Event(EventKind.ALLOC, next(_UIDS), nbytes, Category.TEMPORARIES, where or "",
+                      input_copy_op(str(func)), self.phase)
+        if at is None:
+            self.events.append(alloc)
+        else:
+            self.events.insert(at, alloc)
+        return alloc
 
     def _in_call(self, nbytes: int, where: str, op: str) -> None:
         """A temporary a kernel call allocates and frees inside itself (a workspace, an
