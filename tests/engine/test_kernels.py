@@ -97,6 +97,22 @@ def test_layer_norm_copies_a_strided_input_by_hand() -> None:
     assert kernels.input_copies_for(torch.ops.aten.gelu.default) is None  # TensorIterator
 
 
+def test_softmax_copies_a_strided_input_after_its_output_by_hand() -> None:
+    # softmax_cuda_out / softmax_cpu_out are structured: the output exists, then the
+    # kernel runs on ``input_.contiguous()``. A (2, 16, 8, 8) fp16 tensor permuted to NHWC
+    # copies 2*16*8*8*2 = 4,096 B after the output; backward copies grad and output when
+    # strided (the output here is the forward's contiguous one: no copy).
+    permuted = torch.empty(2, 16, 8, 8, dtype=torch.float16, device="meta").permute(0, 2, 3, 1)
+    for op in (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default):
+        assert kernels.input_copies_for(op)((permuted, -1, False)) == (0, 4096)
+        assert kernels.input_copies_for(op)((permuted.contiguous(), -1, False)) == (0, 0)
+    output = torch.empty(2, 8, 8, 16, dtype=torch.float16, device="meta")
+    for op in (torch.ops.aten._softmax_backward_data.default,
+               torch.ops.aten._log_softmax_backward_data.default):
+        assert kernels.input_copies_for(op)((permuted, output, -1, torch.float16)) == (0, 4096)
+        assert kernels.input_copies_for(op)((permuted, permuted, -1, torch.float16)) == (0, 8192)
+
+
 def test_trace_holds_the_layer_norm_copy_with_the_output_then_frees_it() -> None:
     # ConvNeXt's block order: an NCHW activation permuted to NHWC into LayerNorm(16), at
     # batch 4 of (16, 8, 8) fp32: the copy and the output are 4*8*8*16*4 = 16,384 B each;

@@ -30,7 +30,8 @@ and CUDA targets alike: read from the kernel's source (``input.expect_contiguous
 not measured. LayerNorm over a permuted activation (ConvNeXt's channels-last norm on an
 NCHW tensor) copies its input inside the call, one more input's worth at that op
 (measured on this CPU: an inference step whose peak is that LayerNorm was 33% above
-the trace without it). The tracer adds each copy as a temporary alive for the call.
+the trace without it; softmax over permuted channels, 25%). The tracer adds each copy
+as a temporary alive for the call.
 """
 
 from __future__ import annotations
@@ -329,9 +330,28 @@ def _layer_norm_backward_copies(args: tuple) -> tuple[int, int]:
     return _dense_copy_bytes(args[1]), _dense_copy_bytes(args[0])
 
 
+def _softmax_copies(args: tuple) -> tuple[int, int]:
+    # softmax_cuda_out / log_softmax_cuda_out (aten/src/ATen/native/cuda/SoftMax.cu) and
+    # softmax_cpu_out / log_softmax_cpu_out (SoftMax.cpp) are structured kernels: the
+    # output is allocated first, then ``host_softmax`` (CPU: the kernel) runs on
+    # ``input_.contiguous()``. args: (input, dim, half_to_float).
+    return 0, _dense_copy_bytes(args[0])
+
+
+def _softmax_backward_copies(args: tuple) -> tuple[int, int]:
+    # softmax_backward_cuda_out / ..._cpu_out: grad_input is allocated first, then the
+    # kernel runs on ``grad_.contiguous()`` and ``output_.contiguous()``.
+    # args: (grad_output, output, dim, input_dtype).
+    return 0, _dense_copy_bytes(args[0]) + _dense_copy_bytes(args[1])
+
+
 _INPUT_COPIES: dict[Any, InputCopies] = {
     torch.ops.aten.native_layer_norm.default: _layer_norm_copies,
     torch.ops.aten.native_layer_norm_backward.default: _layer_norm_backward_copies,
+    torch.ops.aten._softmax.default: _softmax_copies,
+    torch.ops.aten._log_softmax.default: _softmax_copies,
+    torch.ops.aten._softmax_backward_data.default: _softmax_backward_copies,
+    torch.ops.aten._log_softmax_backward_data.default: _softmax_backward_copies,
 }
 
 
