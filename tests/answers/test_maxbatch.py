@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -374,6 +375,61 @@ def test_grid_dimension_limit_binds_before_memory():
     assert "65,536" in result.note and "<root>" in result.note
     assert "scaled_dot_product_attention (flash)" in result.note
     assert result.to_dict()["binding_constraint"] == "grid_dim"
+
+
+class BiasedWindowAttention(WindowAttention):
+    """The same with a relative-position bias (maxxvit's): a mask rules flash out, so
+    memory-efficient attention runs, on a grid of (query blocks, heads, 64 * B)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.zeros(1, 2, 4, 4))
+
+    def forward(self, x):  # x: (B, 64, 4, 16)
+        b = x.shape[0]
+        q, k, v = self.qkv(x).reshape(b * 64, 4, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias.to(q.dtype))
+        return out.transpose(1, 2).reshape(b, 64, 4, 16)
+
+
+@pytest.mark.parametrize(("stack", "mode", "expected"), [
+    ("torch2.4+cu124", "infer", 1023),   # one launch: 64 * B <= 65,535
+    ("torch2.9+cu128", "infer", 1500),   # pieces of 65,535 (#154029): the cap binds
+    ("torch2.9+cu128", "train", 1023),   # backward is not cut into pieces
+])
+def test_efficient_attention_runs_a_large_batch_in_pieces_from_torch_2_8(stack, mode, expected):
+    result = max_batch_size(BiasedWindowAttention, (64, 4, 16), device="A100-80GB",
+                            precision="amp-fp16", mode=mode, stack=stack, max_batch_limit=1500)
+    assert result.max_batch_size == expected
+    if expected == 1023:
+        assert result.binding_constraint is Constraint.GRID_DIM
+        assert "scaled_dot_product_attention (efficient)" in result.note
+    else:
+        assert result.binding_constraint is Constraint.LIMIT
+
+
+def test_efficient_attention_pieces_and_their_concatenation_are_alive_together():
+    # B = 1025: 65,600 windows of 4 tokens x 2 heads x 8 dims in fp16, 128 B each: pieces
+    # of 65,535 and 65 windows (8,388,480 B and 8,320 B), concatenated into 8,396,800 B;
+    # the pieces die after the concatenation.
+    from batchfit import TrainConfig
+    from batchfit.engine.trace import trace_step
+    from batchfit.engine.tracer import EventKind
+
+    config = TrainConfig(mode="infer", precision="amp-fp16", stack="torch2.9+cu128")
+    device = DeviceProfile.cuda(80 << 30, (8, 0)).for_stack(config.resolved_stack)
+    traced = trace_step(BiasedWindowAttention, (64, 4, 16), 1025, config, device)
+    assert traced.kernel_limit.measure == 65535
+    events = traced.steady_events
+    outputs = [e for e in events if e.op in ("aten.new_empty.default", "aten.cat.default")
+               and e.nbytes > 4096]
+    assert [(e.nbytes, e.op) for e in outputs] == [
+        (8_388_480, "aten.new_empty.default"), (8_320, "aten.new_empty.default"),
+        (8_396_800, "aten.cat.default")]
+    first_piece, whole = events.index(outputs[0]), events.index(outputs[2])
+    freed = next(i for i, e in enumerate(events)
+                 if e.kind is EventKind.FREE and e.key == outputs[0].key)
+    assert first_piece < whole < freed
 
 
 @settings(max_examples=300, deadline=None)

@@ -98,6 +98,7 @@ from batchfit.engine.autocast import (
     _op_name,
     _promote_type,
 )
+from batchfit.engine.limits import GRID_YZ_MAX
 from batchfit.engine.sdpa import (
     SdpaBackend,
     SdpaProblem,
@@ -246,7 +247,7 @@ class CudaEmulation:
     def __init__(self, compute_capability: tuple[int, int],
                  autocast_dtype: torch.dtype | None = None, sdpa: bool = True,
                  fused_attention: bool = True, softmax_saves_input: bool = False,
-                 cudnn_version: int | None = None):
+                 cudnn_version: int | None = None, efficient_chunks_batch: bool = False):
         if (not isinstance(compute_capability, tuple) or len(compute_capability) != 2
                 or not all(isinstance(v, int) and v >= 0 for v in compute_capability)):
             raise ValueError(f"compute_capability must be (major, minor), "
@@ -258,6 +259,7 @@ class CudaEmulation:
         self.autocast_dtype = autocast_dtype
         self.sdpa = sdpa
         self.fused_attention = fused_attention
+        self.efficient_chunks_batch = efficient_chunks_batch
         self.softmax_saves_input = softmax_saves_input
         if cudnn_version is None:
             cudnn_version = torch.backends.cudnn.version() or 0
@@ -431,11 +433,15 @@ class CudaEmulation:
                        "emulated with the math backend")
             backend = SdpaBackend.MATH
         self.sdpa_backends[backend] = self.sdpa_backends.get(backend, 0) + 1
+        # Inference through memory-efficient attention on torch >= 2.8 runs the batch in
+        # pieces of at most GRID_YZ_MAX (Stack.efficient_attention_chunks_batch).
+        piece = GRID_YZ_MAX if (backend is SdpaBackend.EFFICIENT and self.efficient_chunks_batch
+                                and not problem.requires_grad) else query.shape[0]
         if backend is not SdpaBackend.MATH:
             # flash launches (query blocks, batch, heads), efficient (query blocks, heads,
             # batch): batch and heads are grid y/z dimensions, which CUDA caps at 65,535
             # (pytorch/pytorch#146704, #142228).
-            extent = max(query.shape[0], query.shape[1])
+            extent = max(min(piece, query.shape[0]), query.shape[1])
             if extent > self.largest_grid[0]:
                 self.largest_grid = (extent, f"scaled_dot_product_attention ({backend.value})",
                                      self.where())
@@ -447,8 +453,18 @@ class CudaEmulation:
                 scale=call["scale"], enable_gqa=call["enable_gqa"])[0]
         if backend is SdpaBackend.EFFICIENT and mask is not None:
             mask = _efficient_bias(mask, query, key)
-        return _FusedAttention.apply(query, key, value, mask, call["is_causal"], call["scale"],
-                                     call["enable_gqa"], backend)
+        rest = (call["is_causal"], call["scale"], call["enable_gqa"], backend)
+        if query.shape[0] <= piece:
+            return _FusedAttention.apply(query, key, value, mask, *rest)
+        # attention.cu (#154029): each piece's output in the kernel's (B, S, H, D) layout,
+        # concatenated along the batch, then transposed: the pieces and the whole output
+        # are alive together at the concatenation.
+        outputs = [_FusedAttention.apply(query[start:start + piece], key[start:start + piece],
+                                         value[start:start + piece],
+                                         None if mask is None else mask[start:start + piece],
+                                         *rest).transpose(1, 2)
+                   for start in range(0, query.shape[0], piece)]
+        return torch.cat(outputs).transpose(1, 2)
 
     def _run_watched(self, func: Callable, name: str, args: tuple, kwargs: dict,
                      lower: torch.dtype) -> Any:

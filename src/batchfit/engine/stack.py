@@ -237,6 +237,17 @@ class Stack:
         return self.torch_version < (2, 0)
 
     @property
+    def efficient_attention_chunks_batch(self) -> bool:
+        """Memory-efficient attention's forward runs a batch past the grid limit in pieces
+        (torch >= 2.8): pytorch/pytorch#154029 ("SDPA fix memory efficient attention for
+        large batch dim", opened 2025-05-21 before the 2.8 branch cut, closing #146704)
+        makes ``_efficient_attention_forward`` in transformers/cuda/attention.cu slice
+        q, k, v and the bias into batches of at most 65,535 and concatenate the outputs.
+        The RTX PRO 6000 brackets with torch 2.9.1 confirm it: maxxvit's window attention
+        ran a 98,304 batch there, and failed at 65,536 with torch 2.4."""
+        return self.torch_version >= (2, 8)
+
+    @property
     def has_sdpa(self) -> bool:
         """``F.scaled_dot_product_attention`` and its fused kernels exist (torch >= 2.0)."""
         return self.torch_version >= (2, 0)

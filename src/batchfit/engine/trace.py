@@ -336,6 +336,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                                       autocast_dtype=torch_dtype(amp) if amp else None,
                                       cudnn_version=stack.cudnn_version,
                                       fused_attention=stack.has_sdpa,
+                                      efficient_chunks_batch=stack.efficient_attention_chunks_batch,
                                       softmax_saves_input=stack.softmax_saves_input)
             autocast = emulation.autocast_region if amp else None
             emulation.where = tracer.current_module
