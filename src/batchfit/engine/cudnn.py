@@ -132,13 +132,6 @@ def benchmark_workspace_bytes(op: str, args: tuple, outputs: list[torch.Tensor],
     return 0
 
 
-def input_copy_op(op: str) -> str:
-    """The op name of the input copy a kernel makes (:func:`input_copy_bytes`;
-    :func:`batchfit.engine.kernels.input_copies_for`), e.g.
-    ``contiguous input copy (aten.convolution.default)``."""
-    return f"contiguous input copy ({op})"
-
-
 def input_copy_bytes(op: str, args: tuple, stack: Any) -> int:
     """The bytes of the copy a CUDA convolution makes of an input that is not dense in
     the memory format its backend runs in (0 for an input that is).

@@ -360,6 +360,13 @@ def input_copies_for(op: Any) -> InputCopies | None:
     return _INPUT_COPIES.get(op)
 
 
+def input_copy_op(op: str) -> str:
+    """The op name a trace gives the input copy a kernel makes (these rules, and the
+    convolution's in :func:`batchfit.engine.cudnn.input_copy_bytes`), e.g.
+    ``contiguous input copy (aten.convolution.default)``."""
+    return f"contiguous input copy ({op})"
+
+
 # -- decompositions run in the trace ------------------------------------------------------
 
 #: ``decompose(args, kwargs, device) -> output``: an op the trace runs as the sub-ops its

@@ -33,12 +33,12 @@ from batchfit.engine import _torch_internals as ti
 from batchfit.engine.cudnn import (
     benchmark_workspace_bytes,
     input_copy_bytes,
-    input_copy_op,
     is_routed_to_cudnn,
 )
 from batchfit.engine.kernels import (
     decomposition_for,
     input_copies_for,
+    input_copy_op,
     is_outputs_only,
     scalar_reads_allowed,
     scratch_for,
