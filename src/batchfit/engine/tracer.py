@@ -412,8 +412,8 @@ class Tracer:
         return alloc
 
     def _in_call(self, nbytes: int, where: str, op: str) -> None:
-        """A temporary a kernel call allocates and frees inside itself (a workspace, an
-        input copy), with no tensor to stand for it."""
+        """A temporary a kernel call allocates and frees inside itself, with no tensor to
+        stand for it (a cuDNN workspace; input copies: :meth:`_input_copy`)."""
         uid = next(_UIDS)
         for kind in (EventKind.ALLOC, EventKind.FREE):
             self.events.append(Event(kind, uid, nbytes, Category.TEMPORARIES, where, op,
