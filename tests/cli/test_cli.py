@@ -233,6 +233,64 @@ def test_estimate_on_a_gpu_with_memory(factory_file):
     assert device["total_memory_bytes"] == 40 * GIB
 
 
+def _snapshot_of_heavy_at_2(path, extra_bytes: int) -> None:
+    """A hand-written snapshot of ``heavy`` at batch 2 in inference: the Linear's and the
+    ReLU's outputs (2 x 2048 x 4096 fp32 = 64 MiB each), plus one allocation of
+    ``extra_bytes`` that the model does not make, each in its own new segment. Before the
+    window the weight (64 MiB) and the input (64 MiB) are live."""
+    import pickle
+
+    out = 2 * 2048 * 4096 * 4
+    sizes = [out, out, extra_bytes]
+    trace = []
+    for addr, size in enumerate(sizes, 1):
+        trace += [{"action": "segment_alloc", "addr": addr, "size": size},
+                  {"action": "alloc", "addr": addr, "size": size, "frames": [
+                      {"filename": "/home/me/heavy.py", "line": 10 + addr, "name": "forward"}]}]
+    trace += [{"action": "free_completed", "addr": addr, "size": size}
+              for addr, size in enumerate(sizes, 1)]
+    live = [{"device": 0, "total_size": 64 * MIB, "blocks": [
+        {"size": 64 * MIB, "requested_size": 64 * MIB, "state": "active_allocated"}]}] * 2
+    cached = [{"device": 0, "total_size": size, "blocks": [
+        {"size": size, "requested_size": 0, "state": "inactive"}]} for size in sizes]
+    path.write_bytes(pickle.dumps({"segments": live + cached, "device_traces": [trace]}))
+
+
+def test_estimate_against_a_real_snapshot_names_the_allocation_it_misses(factory_file, tmp_path):
+    snap = tmp_path / "heavy.pickle"
+    _snapshot_of_heavy_at_2(snap, 48 * MIB)
+    result = invoke("estimate", f"{factory_file}:heavy", "-b", "2", "--gpu", "RTX 4090",
+                    "--mode", "infer", "--snapshot", str(snap), "--json")
+    assert result.exit_code == 0, result.output
+    cmp = json.loads(result.stdout)["snapshot_comparison"]
+    # the two 64 MiB outputs are predicted; the 48 MiB is not
+    assert (cmp["real_allocations"], cmp["predicted_allocations"]) == (3, 2)
+    assert [(d["size_bytes"], d["real_count"], d["predicted_count"])
+            for d in cmp["differences"]] == [(48 * MIB, 1, 0)]
+    assert cmp["differences"][0]["real_label"] == "heavy.py:13 forward"
+    assert cmp["first_divergence"] == 2
+    # weight + input before the window, then 64 + 64 + 48 MiB live at once
+    assert cmp["real_peak_allocated_bytes"] == (128 + 176) * MIB
+    assert cmp["real_peak_reserved_bytes"] == (128 + 176) * MIB
+    human = invoke("estimate", f"{factory_file}:heavy", "-b", "2", "--gpu", "RTX 4090",
+                   "--mode", "infer", "--snapshot", str(snap))
+    assert human.exit_code == 0, human.output
+    assert "Against the real snapshot" in human.output and "heavy.py:13" in human.output
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--world-size", "2"], "leave out --world-size"),
+    (["--device", "cpu"], "CUDA target"),
+])
+def test_a_snapshot_needs_one_cuda_target(factory_file, tmp_path, extra, message):
+    snap = tmp_path / "heavy.pickle"
+    _snapshot_of_heavy_at_2(snap, 48 * MIB)
+    result = invoke("estimate", f"{factory_file}:heavy", "-b", "2", "--mode", "infer",
+                    "--snapshot", str(snap), *extra)
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+
+
 def test_bench_predict_on_a_gpu_with_memory(factory_file):
     result = invoke("bench", f"{factory_file}:with_spec", "--gpu", "RTX 5090", "--predict",
                     "--memory", "1GiB", "--batches", "4,16", "--json")
@@ -273,6 +331,10 @@ BAD = [
     (["estimate", "{factory}:broken", "-b", "2", "--input", "128"], 2, "cannot build this"),
     (["estimate", "timm:resnet18", "-b", "-4"], 2, "--batch-size"),
     (["estimate", "timm:resnet18", "-b", "0"], 2, "--batch-size"),
+    (["estimate", "{factory}:heavy", "-b", "2", "--gpu", "RTX 4090", "--snapshot",
+      "nowhere.pickle"], 2, "cannot read the snapshot nowhere.pickle"),
+    (["estimate", "{factory}:heavy", "-b", "2", "--gpu", "RTX 4090", "--snapshot",
+      "{factory}"], 2, "is not a pickled CUDA memory snapshot"),
     # --gpu with --memory: a malformed size, and a memory the context and workspaces fill.
     # T4 (sm75): context 512 MiB + cuBLAS workspaces 2 x 8.125 MiB = 553,910,272 B.
     (["max", "timm:resnet18", "--gpu", "T4", "--memory", "16 parsecs"], 2, "like 24GiB"),

@@ -16,11 +16,13 @@ from typing import Any, Callable
 from torch import nn
 
 from batchfit.device.profile import DeviceProfile, resolve_device
+from batchfit.device.snapshot import SnapshotComparison, compare_step
 from batchfit.device.timeline import ModuleMemory, Timeline, needed_bytes, replay_events
 from batchfit.engine.limits import KernelLimit
 from batchfit.engine.spec import TrainConfig, make_config
 from batchfit.engine.trace import StepTrace, TraceReuse, trace_step
 from batchfit.engine.tracer import Category, Phase
+from batchfit.errors import InvalidInputError
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class MemoryEstimate:
     #: the launch nearest its kernel's hard limit (32-bit indexing, grid dimension)
     kernel_limit: KernelLimit | None = None
     host_backed_bytes: int = 0  # paged optimizer state in unified memory, outside total_bytes
+    #: the step set against a real CUDA memory snapshot of it (``estimate(snapshot=...)``)
+    snapshot_comparison: SnapshotComparison | None = None
 
     def explain(self) -> str:
         """One sentence saying what dominates the peak."""
@@ -101,6 +105,8 @@ class MemoryEstimate:
                 "kernel": self.kernel_limit.kernel, "module": self.kernel_limit.module},
             "host_backed_bytes": self.host_backed_bytes,
         }
+        if self.snapshot_comparison is not None:
+            data["snapshot_comparison"] = self.snapshot_comparison.to_dict()
         if timeline:
             data["timeline"] = self.timeline.to_dict()
         return data
@@ -109,7 +115,7 @@ class MemoryEstimate:
 def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size: int,
              config: TrainConfig | None = None, *, device: DeviceProfile | str | None = None,
              reuse: TraceReuse | None = None, first_step: bool = True,
-             **options: Any) -> MemoryEstimate:
+             snapshot: dict[str, Any] | None = None, **options: Any) -> MemoryEstimate:
     """Predict the peak memory of one step of ``model`` at ``batch_size``, on fake tensors.
 
     Args:
@@ -125,6 +131,9 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
             model, config and device at other batch sizes (builds the model once and
             traces the optimizer step once).
         first_step: also replay the first step (``first_step_peak_bytes``; None if False).
+        snapshot: a real CUDA memory snapshot of this step on the target
+            (:func:`batchfit.device.snapshot.load_snapshot`): the estimate then carries a
+            :class:`~batchfit.device.snapshot.SnapshotComparison` of the two.
 
     Returns:
         A :class:`MemoryEstimate`.
@@ -137,13 +146,19 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
     """
     config = make_config(config, options)
     profile = resolve_device(device).for_stack(config.resolved_stack)
+    if snapshot is not None and not profile.is_cuda:
+        raise InvalidInputError("a CUDA memory snapshot is compared with a CUDA target: "
+                                "give a GPU (--gpu NAME or --device cuda)")
     trace = trace_step(model, inputs, batch_size, config, profile, reuse)
-    return summarize(trace, profile, first_step=first_step)
+    return summarize(trace, profile, first_step=first_step, snapshot=snapshot)
 
 
-def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) -> MemoryEstimate:
-    """Turn a trace into an estimate on ``device``."""
+def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True,
+              snapshot: dict[str, Any] | None = None) -> MemoryEstimate:
+    """Turn a trace into an estimate on ``device`` (and set it against ``snapshot``)."""
     steady = replay_events(trace.steady_events, device)
+    comparison = None if snapshot is None else compare_step(
+        snapshot, trace.steady_events, steady.peak_allocated_bytes, steady.peak_reserved_bytes)
     overhead = device.outside_allocator_bytes
     if trace.first_events is trace.steady_events:
         first_peak: int | None = steady.peak_reserved_bytes + overhead
@@ -166,4 +181,4 @@ def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True) 
         trainable_parameter_count=trace.trainable_parameter_count, warnings=warnings,
         largest_tensor=trace.largest_tensor, largest_grid=trace.largest_grid,
         kernel_limit=trace.kernel_limit,
-        host_backed_bytes=trace.host_backed_bytes)
+        host_backed_bytes=trace.host_backed_bytes, snapshot_comparison=comparison)

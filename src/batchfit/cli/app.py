@@ -324,6 +324,10 @@ def estimate_cmd(
     offload: str = OffloadOpt, tp: int = TpOpt, nodes: int = NodesOpt,
     rank: Optional[int] = RankOpt, wrap: Optional[str] = WrapOpt,
     nccl_memory: Optional[str] = NcclOpt,
+    snapshot: Optional[str] = typer.Option(
+        None, "--snapshot", help="a CUDA memory snapshot of this step on the GPU "
+        "(torch.cuda.memory._dump_snapshot): set the prediction against it, allocation by "
+        "allocation"),
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
     """Predict the peak memory of one step at a batch size (per GPU with --world-size)."""
@@ -331,6 +335,14 @@ def estimate_cmd(
         if batch_size < 1:
             raise InvalidInputError(f"--batch-size must be a positive integer, not {batch_size}")
         _check_plot(plot)
+        real = None
+        if snapshot is not None:
+            from batchfit.device.snapshot import load_snapshot
+
+            if world_size is not None:
+                raise InvalidInputError("--snapshot compares one GPU's step: leave out "
+                                        "--world-size")
+            real = load_snapshot(snapshot)
         settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark)
         if memory is not None and not gpu:
             raise InvalidInputError(
@@ -351,7 +363,8 @@ def estimate_cmd(
             if parallel is None:
                 from batchfit.answers.estimate import estimate
 
-                est = estimate(spec.factory, inputs, batch_size, config, device=profile)
+                est = estimate(spec.factory, inputs, batch_size, config, device=profile,
+                               snapshot=real)
             else:
                 from batchfit.answers.ranks import estimate_ranks
 

@@ -66,6 +66,56 @@ def ranks_table(parallel: Any, rows: Sequence[tuple[int, str, int]], binding_ran
     return table
 
 
+def snapshot_lines(comparison: Any) -> list[Any]:
+    """The prediction against a real snapshot: peaks, the allocation sizes whose counts
+    differ, and where the order of large allocations first differs."""
+    c = comparison
+
+    def error(real: int, predicted: int) -> str:
+        return f"{(predicted - real) / real:+.1%}" if real else "-"
+
+    peaks = Table(title="Against the real snapshot", title_justify="left")
+    peaks.add_column("")
+    peaks.add_column("real", justify="right")
+    peaks.add_column("predicted", justify="right")
+    peaks.add_column("error", justify="right")
+    peaks.add_row("peak allocated", format_bytes(c.real_peak_allocated_bytes),
+                  format_bytes(c.predicted_peak_allocated_bytes),
+                  error(c.real_peak_allocated_bytes, c.predicted_peak_allocated_bytes))
+    peaks.add_row("peak reserved", format_bytes(c.real_peak_reserved_bytes),
+                  format_bytes(c.predicted_peak_reserved_bytes),
+                  error(c.real_peak_reserved_bytes, c.predicted_peak_reserved_bytes))
+    peaks.add_row(f"allocations >= {format_bytes(c.min_bytes)}", str(c.real_allocations),
+                  str(c.predicted_allocations), "")
+    lines: list[Any] = [peaks]
+    if c.oom_count:
+        lines.append(Text(f"the recorded window has {c.oom_count} out-of-memory error(s)",
+                          style="yellow"))
+    if not c.differences:
+        lines.append(Text("every allocation size was predicted as often as it happened",
+                          style="green"))
+        return lines
+    sizes = Table(title="Allocation sizes whose counts differ (real - predicted bytes, largest "
+                        "first)", title_justify="left")
+    for name, justify in (("size", "right"), ("real", "right"), ("predicted", "right"),
+                          ("difference", "right"), ("batchfit's op and module", "left"),
+                          ("real frame", "left")):
+        sizes.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for d in c.differences:
+        sizes.add_row(format_bytes(d.size_bytes), str(d.real_count), str(d.predicted_count),
+                      format_bytes(d.difference_bytes), d.predicted_label or "-",
+                      d.real_label or "-")
+    lines.append(sizes)
+    if c.first_divergence is not None:
+        def entry(at: tuple[int, str] | None) -> str:
+            return "(none)" if at is None else f"{format_bytes(at[0])} {at[1] or '-'}"
+
+        lines.append(Text(f"the order of large allocations first differs at #{c.first_divergence}"
+                          f": real {entry(c.real_at_divergence)}, predicted "
+                          f"{entry(c.predicted_at_divergence)}"))
+    return lines
+
+
 def unified_memory_note(device: Any) -> Text | None:
     """For a GPU that shares its memory with the CPU (Jetson), what the answer assumes."""
     if not getattr(device, "unified_memory", False):
@@ -109,6 +159,8 @@ def render_estimate(est: Any) -> Group:
         lines.append(Text(host_backed_note(est.host_backed_bytes), style="cyan"))
     for warning in est.warnings:
         lines.append(Text(f"warning: {warning}", style="yellow"))
+    if getattr(est, "snapshot_comparison", None) is not None:
+        lines.extend(snapshot_lines(est.snapshot_comparison))
     return Group(*lines)
 
 
