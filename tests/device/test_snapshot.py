@@ -27,7 +27,7 @@ STDLIB = "/usr/lib/python3.12/contextlib.py"
 
 def segment(total: int, *blocks: tuple[int, str], device: int = 0) -> dict:
     return {"device": device, "total_size": total, "blocks": [
-        {"size": size, "requested_size": size if state == "active_allocated" else 0,
+        {"size": size, "requested_size": 0 if state == "inactive" else size,
          "state": state} for size, state in blocks]}
 
 
@@ -62,6 +62,16 @@ def test_peaks_count_what_was_alive_before_the_window_and_frees_of_older_tensors
     # reserved: 40 at the start, 90, 110 (peak; nothing is released)
     assert real.peak_reserved_bytes == 110 * MIB
     assert real.oom_count == 0
+
+
+def test_a_block_still_awaiting_its_free_counts_as_allocated_at_the_end():
+    # freed on another stream: free_requested, but free_completed comes after the window
+    snapshot = {"segments": [segment(8 * MIB, (8 * MIB, "active_awaiting_free"))],
+                "device_traces": [[{"action": "segment_alloc", "addr": 1, "size": 8 * MIB},
+                                   alloc(1, 8 * MIB),
+                                   {"action": "free_requested", "addr": 1, "size": 8 * MIB}]]}
+    real = read_allocations(snapshot)
+    assert (real.peak_allocated_bytes, real.peak_reserved_bytes) == (8 * MIB, 8 * MIB)
 
 
 def test_the_label_is_the_first_frame_outside_torch_and_the_standard_library():

@@ -189,10 +189,11 @@ def read_allocations(snapshot: dict[str, Any], device: int | None = None) -> Rea
                                 + _RECORD_HINT)
     segments = [s for s in snapshot["segments"] if s.get("device", device) == device]
     # The counters at the end, as the segments show them; the window's actions, walked
-    # backwards, give where it started.
+    # backwards, give where it started. A block awaiting its free_completed is still
+    # allocated, as the walk counts it.
     reserved = sum(s["total_size"] for s in segments)
     allocated = sum(b.get("requested_size", b["size"]) for s in segments for b in s["blocks"]
-                    if b["state"] == "active_allocated")
+                    if b["state"] in ("active_allocated", "active_awaiting_free"))
     live: dict[int, int] = {}
     sizes: list[int] = []
     labels: list[str] = []
