@@ -411,6 +411,50 @@ def _table(title: str, groups: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines + [""]
 
 
+def without_common_scale(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Models (per set) whose memory-bound rows no single scale of the prediction fits.
+
+    If the emulation were off by a factor that depends on the model only, some ``k`` would
+    put ``k * predicted`` inside every bracket of that model: ``batch_fit / predicted <= k <
+    batch_failed / predicted`` for all its rows. When no ``k`` exists, the cards, stacks or
+    layouts disagree with each other relative to the prediction, and a fix that is right for
+    one row is wrong for another: only a mechanism that depends on the card, the stack or
+    the layout can bring all of them in.
+
+    >>> row = lambda gpu, fit, failed, p: {"set": "I", "model": "m", "gpu": gpu,
+    ...     "batch_fit": fit, "batch_failed": failed, "predicted": p,
+    ...     "binding_constraint": "memory"}
+    >>> sorted(without_common_scale([row("a", 768, 1024, 735), row("b", 512, 768, 735)]))
+    ['I m']
+    >>> without_common_scale([row("a", 768, 1024, 735), row("b", 768, 1024, 700)])
+    {}
+    """
+    models: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for r in rows:
+        if r.get("predicted") and r.get("binding_constraint") == "memory":
+            models[f"{r['set']} {r['model']}"].append(r)
+    return {name: rs for name, rs in models.items() if len(rs) > 1
+            and max(r["batch_fit"] / r["predicted"] for r in rs)
+            >= min(r["batch_failed"] / r["predicted"] for r in rs)}
+
+
+def _no_common_scale_lines(rows: list[dict[str, Any]]) -> list[str]:
+    models = without_common_scale(rows)
+    several = collections.Counter(f"{r['set']} {r['model']}" for r in rows
+                                  if r.get("predicted") and r.get("binding_constraint") == "memory")
+    theirs = [r for rs in models.values() for r in rs]
+    misses = sum(outcome(r) in ("over", "under") for r in theirs)
+    lines = ["### memory_dev.csv: models no single scale of the prediction fits", "",
+             (f"{len(models)} of {sum(n > 1 for n in several.values())} models with two or "
+              f"more memory-bound rows; {misses} of their {len(theirs)} rows miss their "
+              "bracket (see `without_common_scale`)."), ""]
+    for name, rs in sorted(models.items()):
+        brackets = ", ".join(f"{r['gpu']} {r['torch']} {r['layout']} [{r['batch_fit']}, "
+                             f"{r['batch_failed']}) vs {r['predicted']}" for r in rs)
+        lines.append(f"- {name}: {brackets}")
+    return lines + [""]
+
+
 def report(rows: list[dict[str, Any]], tag: str) -> str:
     def by(key: Any, subset: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
         groups: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
@@ -429,6 +473,7 @@ def report(rows: list[dict[str, Any]], tag: str) -> str:
                     by(lambda r: f"{r['set']} {model_family(r['model'])}", memory))
     lines += _table("memory_dev.csv by binding constraint",
                     by(lambda r: f"{r['set']} {r.get('binding_constraint')}", memory))
+    lines += _no_common_scale_lines(memory)
     if nonmemory:
         lines += _table("nonmemory_dev.csv by source",
                         by(lambda r: f"{r['gpu']} {r['torch']} {r['layout']}", nonmemory))
