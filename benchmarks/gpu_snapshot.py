@@ -21,7 +21,9 @@ Usage (on a machine with a CUDA GPU):
         [--batch B] [--out DIR]
 
 ``--batch`` defaults to the row's ``batch_fit`` scaled to this card's memory, so that the
-step runs. Writes ``<out>/<row key>.pickle`` (the snapshot: open it in
+step runs; give the failing batch to see why it fails (a recorded step that runs out of
+memory is kept, ending in the allocator's ``oom`` entry; warm-up steps that do are reported
+in one line, exit 3). Writes ``<out>/<row key>.pickle`` (the snapshot: open it in
 https://pytorch.org/memory_viz) and ``<out>/<row key>.json`` (the comparison); default out
 ``benchmarks/results/gpu_snapshots``.
 """
@@ -75,7 +77,9 @@ def timm_step(row: gb.Row, batch_size: int) -> Any:
 
 def record_step(step: Any, path: Path) -> dict[str, Any]:
     """Run ``step`` WARMUP_STEPS times, then once with the allocator's history recorded;
-    pickle the snapshot to ``path`` and return it."""
+    pickle the snapshot to ``path`` and return it. A recorded step that runs out of memory
+    is recorded too: the snapshot then ends with the allocator's ``oom`` entry, which is the
+    point when the question is why a predicted batch failed."""
     import torch
 
     for _ in range(WARMUP_STEPS):
@@ -84,7 +88,10 @@ def record_step(step: Any, path: Path) -> dict[str, Any]:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     try:
-        step()
+        try:
+            step()
+        except torch.cuda.OutOfMemoryError:
+            pass  # in the snapshot as an ``oom`` entry
         torch.cuda.synchronize()
         torch.cuda.memory._dump_snapshot(str(path))
     finally:
@@ -129,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     batch_size = args.batch or default_batch(row, profile.total_memory_bytes)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", row.key)
     torch.backends.cudnn.benchmark = True
-    snapshot = record_step(timm_step(row, batch_size), args.out / f"{slug}.pickle")
+    try:
+        snapshot = record_step(timm_step(row, batch_size), args.out / f"{slug}.pickle")
+    except torch.cuda.OutOfMemoryError:
+        print(f"the warm-up steps ran out of memory at batch {batch_size} on {profile.name}: "
+              "give a smaller --batch", file=sys.stderr)
+        return 3
     settings = gb.row_settings(row)
     settings.pop("stack", None)  # this process's stack, not the row's
     settings["inference_mode"] = row.set != "T"
