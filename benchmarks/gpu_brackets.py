@@ -429,23 +429,26 @@ def without_common_scale(rows: list[dict[str, Any]]) -> dict[str, list[dict[str,
     >>> without_common_scale([row("a", 768, 1024, 735), row("b", 768, 1024, 700)])
     {}
     """
-    models: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
-    for r in rows:
-        if r.get("predicted") and r.get("binding_constraint") == "memory":
-            models[f"{r['set']} {r['model']}"].append(r)
-    return {name: rs for name, rs in models.items() if len(rs) > 1
+    return {name: rs for name, rs in _memory_bound_by_model(rows).items() if len(rs) > 1
             and max(r["batch_fit"] / r["predicted"] for r in rs)
             >= min(r["batch_failed"] / r["predicted"] for r in rs)}
 
 
+def _memory_bound_by_model(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    models: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for r in rows:
+        if r.get("predicted") and r.get("binding_constraint") == "memory":
+            models[f"{r['set']} {r['model']}"].append(r)
+    return models
+
+
 def _no_common_scale_lines(rows: list[dict[str, Any]]) -> list[str]:
     models = without_common_scale(rows)
-    several = collections.Counter(f"{r['set']} {r['model']}" for r in rows
-                                  if r.get("predicted") and r.get("binding_constraint") == "memory")
+    several = sum(len(rs) > 1 for rs in _memory_bound_by_model(rows).values())
     theirs = [r for rs in models.values() for r in rs]
     misses = sum(outcome(r) in ("over", "under") for r in theirs)
     lines = ["### memory_dev.csv: models no single scale of the prediction fits", "",
-             (f"{len(models)} of {sum(n > 1 for n in several.values())} models with two or "
+             (f"{len(models)} of {several} models with two or "
               f"more memory-bound rows; {misses} of their {len(theirs)} rows miss their "
               "bracket (see `without_common_scale`)."), ""]
     for name, rs in sorted(models.items()):
