@@ -31,7 +31,6 @@ https://pytorch.org/memory_viz) and ``<out>/<row key>.json`` (the comparison); d
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import sys
@@ -142,11 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the warm-up steps ran out of memory at batch {batch_size} on {profile.name}: "
               "give a smaller --batch", file=sys.stderr)
         return 3
-    settings = gb.row_settings(row)
+    settings = gb.row_settings(row)  # already limited to the fields this batchfit has
     settings.pop("stack", None)  # this process's stack, not the row's
-    settings["inference_mode"] = row.set != "T"
-    fields = {f.name for f in dataclasses.fields(batchfit.TrainConfig)}
-    config = batchfit.TrainConfig(**{k: v for k, v in settings.items() if k in fields})
+    config = batchfit.TrainConfig(**settings)
     est = batchfit.estimate(lambda: gb.build_timm(row.model, row.set != "T"),
                             (3, row.img_size, row.img_size), batch_size, config,
                             device=profile, snapshot=snapshot)
