@@ -5,11 +5,20 @@ A factory is called under ``torch.device("meta")`` (many constructors call
 parameter and buffer becomes a fake CPU tensor of the target dtype and memory
 format. A user's module is never touched: it is deep-copied with every
 parameter and buffer swapped for a fake twin, so no weight is copied for real.
+
+Some constructors read the values of tensors they compute, which meta tensors do not
+have: ``torch.linspace(...).tolist()`` for drop-path rates (timm before 1.0.10), or
+``torch.unique`` (timm's RegNet). When the meta build fails, the factory runs once more
+under accelerate's ``init_empty_weights`` (if accelerate is installed): each parameter
+goes to meta as it is registered, while the small tensors the constructor computes with
+stay real, on the CPU. Random draws the constructor makes there are undone.
 """
 
 from __future__ import annotations
 
 import copy
+import random
+import sys
 from typing import Any, Callable
 
 import torch
@@ -122,7 +131,47 @@ def _call_on_meta(factory: Callable[[], Any], precision: str | None) -> Any:
         with torch.device("meta"), build_scope("meta", precision):
             return factory()
     except Exception as exc:  # noqa: BLE001 - the user's code can fail in any way
-        raise ModelSpecError(f"the model factory raised {type(exc).__name__}: {exc}") from exc
+        meta_error = exc
+    built = _call_with_empty_weights(factory, precision)
+    if built is not None:
+        return built
+    message = f"the model factory raised {type(meta_error).__name__}: {meta_error}"
+    if "meta" in str(meta_error).lower() and _init_empty_weights() is None:
+        message += ("; its constructor reads tensor values, which batchfit can build "
+                    "around with accelerate installed (pip install accelerate)")
+    raise ModelSpecError(message) from meta_error
+
+
+def _init_empty_weights() -> Callable[..., Any] | None:
+    try:
+        from accelerate import init_empty_weights
+    except ImportError:
+        return None
+    return init_empty_weights
+
+
+def _call_with_empty_weights(factory: Callable[[], Any], precision: str | None) -> Any:
+    """``factory()`` under accelerate's ``init_empty_weights(include_buffers=False)``: every
+    parameter is moved to meta as it is registered, other tensors are real CPU tensors.
+    The random states (torch's CPU generator, ``random``, numpy's) are put back as they
+    were. None if accelerate is not installed or the factory fails here too."""
+    from batchfit.engine.keras_step import build_scope
+
+    init_empty_weights = _init_empty_weights()
+    if init_empty_weights is None:
+        return None
+    numpy = sys.modules.get("numpy")
+    saved = (random.getstate(), numpy.random.get_state() if numpy is not None else None)
+    try:
+        with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False), \
+                build_scope("meta", precision):
+            return factory()
+    except Exception:  # noqa: BLE001 - the meta build's error is the one reported
+        return None
+    finally:
+        random.setstate(saved[0])
+        if saved[1] is not None:
+            numpy.random.set_state(saved[1])
 
 
 def _meta_stub(tensor: torch.Tensor, float_dtype: torch.dtype | None = None) -> torch.Tensor:
