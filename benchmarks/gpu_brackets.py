@@ -9,7 +9,11 @@ batchfit's public API (``batchfit.max_batch_size``):
 * the card from the catalog (the RTX PRO 6000 Blackwell Max-Q, until the catalog has
   it, as ``DeviceProfile.cuda(97,887 MiB, sm_120)``, what nvidia-smi reports for it);
 * ``timm.create_model(name)`` with the script's arguments (``drop_rate=0``, no drop
-  path), input ``(3, img_size, img_size)``, ``channels_last`` for nhwc rows;
+  path), input ``(3, img_size, img_size)``, ``channels_last`` for nhwc rows, from the
+  timm release that produced the row's file (:data:`TIMM_OF_SOURCE`: the model code
+  decides which tensors are alive, so a later timm is a different step), installed
+  beside the project's own by ``--install-timm``; ``--timm installed`` uses the
+  installed timm for every row instead;
 * train rows: SGD with Nesterov momentum (timm's ``sgd``), fp16 autocast, and timm 0.6's
   explicit attention (``q @ k.T``, softmax: no ``F.scaled_dot_product_attention``);
   inference rows: ``eval()``, fp16 autocast, timm 1.0's fused attention;
@@ -34,9 +38,10 @@ outside the repo) keeps every trace a row takes, keyed by the tracing code's dig
 after a change to the replay, the allocator or the solver costs only replays.
 
 Usage:
+    python benchmarks/gpu_brackets.py --install-timm   # once: the rows' timm releases
     nice -n 10 python benchmarks/gpu_brackets.py [--set T|I] [--sample N] [--gpu NAME]
         [--jobs 2] [--files memory,nonmemory] [--models REGEX] [--tag NAME] [--timeout S]
-        [--trace-cache DIR]
+        [--trace-cache DIR] [--timm release|installed]
     python benchmarks/gpu_brackets.py --report TAG [--compare TAG]
 
 Writes ``benchmarks/results/gpu_brackets/<tag>.jsonl`` (rows) and ``<tag>.md`` (tables).
@@ -57,6 +62,7 @@ import select
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -74,6 +80,15 @@ PRO6000_MAXQ_SMS = 188
 START_SIZE = {("T", "nchw"): 512, ("T", "nhwc"): 512, ("I", "nhwc"): 512}
 #: CUDA version of each torch build the rows ran (the data README).
 CUDA_OF_SOURCE = (("cu113", "11.3"), ("cu124", "12.4"), ("cu128", "12.8"), ("cu130", "13.0"))
+#: The timm release benchmark.py ran for each file, from the commits that added the files
+#: to huggingface/pytorch-image-models ``results/``: the pt240 files in b3f3a005, 5c33776a
+#: and ee5b1e82 (2024-08-26 to 09-05, v1.0.9 plus up to 9 commits), the pt291 files in
+#: 90cae8c5 (tagged v1.0.24, 2026-01-06). The pt110/pt112 train files ran timm 0.6.x
+#: (2022), which does not import on Python 3.11 (a dataclass with a mutable default): those
+#: rows use the installed timm with timm 0.6's explicit attention.
+TIMM_OF_SOURCE = (("pt240", "1.0.9"), ("pt291", "1.0.24"))
+#: Where ``--install-timm`` puts each release (``pip install --target``; not in git).
+TIMM_DIR = HERE / ".timm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +116,14 @@ class Row:
             if tag in self.source_file:
                 return version
         raise ValueError(f"no CUDA version in {self.source_file}")
+
+    @property
+    def timm_release(self) -> str | None:
+        """The timm release that produced this row's file; None: not installable here."""
+        for tag, version in TIMM_OF_SOURCE:
+            if f"-{tag}-" in self.source_file:
+                return version
+        return None
 
     @property
     def start_size(self) -> int:
@@ -286,9 +309,40 @@ def install_trace_cache(cache_dir: Path, row: Row, config: Any, device: Any) -> 
     maxbatch.trace_step = cached_trace_step
 
 
+def use_timm_release(version: str, timm_dir: Path) -> None:
+    """Make ``import timm`` load ``version`` from ``timm_dir`` in this process: the timm
+    modules already imported are dropped and the release's directory goes first on the
+    path. For a forked row (:func:`run_in_child`): the parent keeps its own timm."""
+    path = timm_dir / version
+    if not (path / "timm").is_dir():
+        raise FileNotFoundError(f"timm {version} is not in {timm_dir}: run --install-timm")
+    for name in [n for n in sys.modules if n == "timm" or n.startswith("timm.")]:
+        del sys.modules[name]
+    sys.path.insert(0, str(path))
+
+
+def missing_timm_releases(rows: Iterable[Row], timm_dir: Path) -> list[str]:
+    """The releases ``rows`` ran that ``--install-timm`` has not put in ``timm_dir``."""
+    wanted = {row.timm_release for row in rows} - {None}
+    return sorted(v for v in wanted if not (timm_dir / v / "timm").is_dir())
+
+
+def install_timm_releases(timm_dir: Path) -> None:
+    """``pip install --no-deps --target timm_dir/<version> timm==<version>`` for each release
+    of :data:`TIMM_OF_SOURCE` (their dependencies are the installed timm's)."""
+    for _, version in TIMM_OF_SOURCE:
+        target = timm_dir / version
+        if (target / "timm").is_dir():
+            continue
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                        "--target", str(target), f"timm=={version}"], check=True)
+
+
 def predict_row(row: Row, trace_cache: Path | None = None) -> dict[str, Any]:
     """``batchfit.max_batch_size`` for one row, in this process."""
     import functools
+
+    import timm
 
     import batchfit
 
@@ -318,11 +372,14 @@ def predict_row(row: Row, trace_cache: Path | None = None) -> dict[str, Any]:
         "peak_op": est.peak_op,
         "evaluated": [list(p) for p in result.evaluated],
         "settings": {k: v for k, v in settings.items() if k != "optimizer_kwargs"},
+        "timm": timm.__version__,
     }
 
 
-def run_in_child(row: Row, timeout_s: float, trace_cache: Path | None = None) -> dict[str, Any]:
-    """``predict_row`` in a forked child (own memory, killed after ``timeout_s``)."""
+def run_in_child(row: Row, timeout_s: float, trace_cache: Path | None = None,
+                 timm_dir: Path | None = None) -> dict[str, Any]:
+    """``predict_row`` in a forked child (own memory, killed after ``timeout_s``), with the
+    row's timm release from ``timm_dir`` (None: the installed timm)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
@@ -330,6 +387,8 @@ def run_in_child(row: Row, timeout_s: float, trace_cache: Path | None = None) ->
         os.setpgid(0, 0)  # its own group, so a timeout also stops its trace worker
         try:
             try:
+                if timm_dir is not None and row.timm_release is not None:
+                    use_timm_release(row.timm_release, timm_dir)
                 payload: dict[str, Any] = predict_row(row, trace_cache)
             except Exception as exc:  # noqa: BLE001 - recorded with the row
                 payload = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
@@ -546,7 +605,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="only the rows (their 'key') of this results file, e.g. another tag's")
     parser.add_argument("--trace-cache", metavar="DIR", type=Path,
                         help="keep each row's traces here (outside the repo) and reuse them")
+    parser.add_argument("--timm", choices=("release", "installed"), default="release",
+                        help="the timm release each file ran (default) or the installed timm")
+    parser.add_argument("--timm-dir", type=Path, default=TIMM_DIR, metavar="DIR",
+                        help=f"where --install-timm puts the releases (default {TIMM_DIR})")
+    parser.add_argument("--install-timm", action="store_true",
+                        help="pip-install the rows' timm releases into --timm-dir, then stop")
     args = parser.parse_args(argv)
+    if args.install_timm:
+        install_timm_releases(args.timm_dir)
+        return
 
     tag = args.report or args.tag or default_tag()
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -567,7 +635,14 @@ def main(argv: list[str] | None = None) -> None:
     if not args.report:
         todo = [r for r in rows if r.key not in cached
                 or (args.retry_errors and "error" in cached[r.key])]
-        _predict_all(todo, cached, cache_path, args.jobs, args.timeout, args.trace_cache)
+        timm_dir = args.timm_dir if args.timm == "release" else None
+        if timm_dir is not None and (missing := missing_timm_releases(todo, timm_dir)):
+            print(f"timm {', '.join(missing)} (the release the rows ran) is not in {timm_dir}: "
+                  "run `python benchmarks/gpu_brackets.py --install-timm` first, or pass "
+                  "--timm installed", file=sys.stderr)
+            raise SystemExit(2)
+        _predict_all(todo, cached, cache_path, args.jobs, args.timeout, args.trace_cache,
+                     timm_dir)
     results = [cached[r.key] for r in rows if r.key in cached]
     text = report(results, tag)
     if args.compare:
@@ -579,7 +654,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _predict_all(todo: list[Row], cached: dict[str, dict[str, Any]], cache_path: Path,
-                 jobs: int, timeout_s: float, trace_cache: Path | None = None) -> None:
+                 jobs: int, timeout_s: float, trace_cache: Path | None = None,
+                 timm_dir: Path | None = None) -> None:
     if not todo:
         return
     try:
@@ -589,17 +665,17 @@ def _predict_all(todo: list[Row], cached: dict[str, dict[str, Any]], cache_path:
     if jobs > 1:  # each row already uses the second core for paired traces when idle
         os.environ["BATCHFIT_PARALLEL_TRACES"] = "0"
     import batchfit  # noqa: F401 - imported once here, inherited by every forked row
-    import timm  # noqa: F401
+    import timm  # noqa: F401 - a row of another release drops it (use_timm_release)
     import torch  # noqa: F401
 
-    running: dict[int, tuple[Row, Any]] = {}
     queue = list(todo)
     done = 0
     start = time.perf_counter()
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, cache_path.open("a") as out:
-        futures = {pool.submit(run_in_child, row, timeout_s, trace_cache): row for row in queue}
+        futures = {pool.submit(run_in_child, row, timeout_s, trace_cache, timm_dir): row
+                   for row in queue}
         from concurrent.futures import as_completed
 
         for future in as_completed(futures):
@@ -616,7 +692,6 @@ def _predict_all(todo: list[Row], cached: dict[str, dict[str, Any]], cache_path:
                   f"{record.get('predicted')} bracket [{row.batch_fit}, {row.batch_failed}) "
                   f"{mark} {record.get('binding_constraint', record.get('error', ''))} "
                   f"({record.get('seconds', '-')} s)", flush=True)
-    del running
 
 
 if __name__ == "__main__":
