@@ -194,6 +194,14 @@ def build_timm(name: str, fused_attn: bool) -> Any:
         timm_layer_config._USE_FUSED_ATTN = saved
 
 
+def build_timm_on_cpu(name: str, fused_attn: bool) -> Any:
+    """:func:`build_timm` with real weights on the CPU, whatever device batchfit builds on."""
+    import torch
+
+    with torch.device("cpu"):
+        return build_timm(name, fused_attn)
+
+
 def device_for(row: Row) -> Any:
     import batchfit
     from batchfit.errors import InvalidInputError
@@ -353,8 +361,18 @@ def predict_row(row: Row, trace_cache: Path | None = None) -> dict[str, Any]:
     if trace_cache is not None:
         install_trace_cache(trace_cache, row, config, device)
     start = time.perf_counter()
-    result = batchfit.max_batch_size(factory, (3, row.img_size, row.img_size), config,
-                                     device=device, max_batch_limit=row.start_size)
+    built = "meta"
+    try:
+        result = batchfit.max_batch_size(factory, (3, row.img_size, row.img_size), config,
+                                         device=device, max_batch_limit=row.start_size)
+    except batchfit.ModelSpecError:
+        # Some releases' constructors need real tensors everywhere (timm 1.0.9's hybrid
+        # embedding runs its backbone on a zero image to size itself): build on the CPU
+        # for real, as benchmark.py does before moving the model to the GPU.
+        built = "cpu"
+        factory = functools.partial(build_timm_on_cpu, row.model, row.set != "T")
+        result = batchfit.max_batch_size(factory, (3, row.img_size, row.img_size), config,
+                                         device=device, max_batch_limit=row.start_size)
     est = result.estimate_at_max
     return {
         "predicted": result.max_batch_size,
@@ -373,6 +391,7 @@ def predict_row(row: Row, trace_cache: Path | None = None) -> dict[str, Any]:
         "evaluated": [list(p) for p in result.evaluated],
         "settings": {k: v for k, v in settings.items() if k != "optimizer_kwargs"},
         "timm": timm.__version__,
+        "built": built,
     }
 
 

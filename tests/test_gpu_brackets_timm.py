@@ -61,3 +61,24 @@ def test_without_the_releases_the_run_stops_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("timm 1.0.24 (the release the rows ran) is not in ")
     assert "\n" not in err
+
+
+def test_a_model_that_builds_only_for_real_is_built_on_the_cpu(monkeypatch):
+
+    real = gb.build_timm
+
+    def needs_real_tensors(name, fused_attn):
+        # like timm 1.0.9's hybrid embedding, which runs its backbone on a zero CPU image:
+        # fails on meta and with empty (meta) weights alike
+        model = real(name, fused_attn)
+        if next(model.parameters()).device.type != "cpu":
+            raise RuntimeError("Tensor on device meta is not on the expected device cpu!")
+        return model
+
+    monkeypatch.setattr(gb, "build_timm", needs_real_tensors)
+    row = gb.Row(file="memory", index=0, set="I", model="test_resnet", img_size=32,
+                 gpu="RTX 4090", torch="2.4.0", layout="nchw", batch_fit=1, batch_failed=2,
+                 source_file="benchmark-infer-amp-nchw-pt240-cu124-rtx4090.csv")
+    got = gb.predict_row(row)
+    assert got["built"] == "cpu"
+    assert got["predicted"] == row.start_size  # a tiny model fills no card: the start size
