@@ -12,8 +12,8 @@ batchfit's public API (``batchfit.max_batch_size``):
   path), input ``(3, img_size, img_size)``, ``channels_last`` for nhwc rows, from the
   timm release that produced the row's file (:data:`TIMM_OF_SOURCE`: the model code
   decides which tensors are alive, so a later timm is a different step), installed
-  beside the project's own by ``--install-timm``; ``--timm installed`` uses the
-  installed timm for every row instead;
+  beside the project's own (``--install-timm``, or by the first run that needs it);
+  ``--timm installed`` uses the installed timm for every row instead;
 * train rows: SGD with Nesterov momentum (timm's ``sgd``), fp16 autocast, and timm 0.6's
   explicit attention (``q @ k.T``, softmax: no ``F.scaled_dot_product_attention``);
   inference rows: ``eval()``, fp16 autocast, timm 1.0's fused attention;
@@ -38,7 +38,8 @@ outside the repo) keeps every trace a row takes, keyed by the tracing code's dig
 after a change to the replay, the allocator or the solver costs only replays.
 
 Usage:
-    python benchmarks/gpu_brackets.py --install-timm   # once: the rows' timm releases
+    python benchmarks/gpu_brackets.py --install-timm   # the rows' timm releases (a run
+                                                       # installs missing ones itself)
     nice -n 10 python benchmarks/gpu_brackets.py [--set T|I] [--sample N] [--gpu NAME]
         [--jobs 2] [--files memory,nonmemory] [--models REGEX] [--tag NAME] [--timeout S]
         [--trace-cache DIR] [--timm release|installed]
@@ -656,10 +657,15 @@ def main(argv: list[str] | None = None) -> None:
                 or (args.retry_errors and "error" in cached[r.key])]
         timm_dir = args.timm_dir if args.timm == "release" else None
         if timm_dir is not None and (missing := missing_timm_releases(todo, timm_dir)):
-            print(f"timm {', '.join(missing)} (the release the rows ran) is not in {timm_dir}: "
-                  "run `python benchmarks/gpu_brackets.py --install-timm` first, or pass "
-                  "--timm installed", file=sys.stderr)
-            raise SystemExit(2)
+            print(f"installing timm {', '.join(missing)} (the release the rows ran) into "
+                  f"{timm_dir}", flush=True)
+            try:
+                install_timm_releases(timm_dir)
+            except (OSError, subprocess.CalledProcessError) as exc:
+                print(f"timm {', '.join(missing)} (the release the rows ran) could not be "
+                      f"installed into {timm_dir} ({exc}): install it with --install-timm, "
+                      "or pass --timm installed", file=sys.stderr)
+                raise SystemExit(2) from None
         _predict_all(todo, cached, cache_path, args.jobs, args.timeout, args.trace_cache,
                      timm_dir)
     results = [cached[r.key] for r in rows if r.key in cached]

@@ -53,13 +53,32 @@ def test_a_row_imports_its_release_in_place_of_the_loaded_timm(tmp_path):
     assert out.stdout.split() == ["True", "9.9.9"]
 
 
-def test_without_the_releases_the_run_stops_in_one_line(tmp_path, capsys):
+def test_a_run_installs_the_releases_it_lacks(tmp_path, monkeypatch):
+    installed = []
+
+    def install(timm_dir):
+        installed.append(timm_dir)
+        raise subprocess.CalledProcessError(1, ["pip"])  # stop before predicting anything
+
+    monkeypatch.setattr(gb, "install_timm_releases", install)
+    with pytest.raises(SystemExit):
+        gb.main(["--set", "I", "--files", "memory", "--models", "^convnext_small$",
+                 "--tag", "never-written", "--timm-dir", str(tmp_path)])
+    assert installed == [tmp_path]
+
+
+def test_when_the_install_fails_the_run_stops_in_one_line(tmp_path, monkeypatch, capsys):
+    def install(timm_dir):
+        raise subprocess.CalledProcessError(1, ["pip", "install"])
+
+    monkeypatch.setattr(gb, "install_timm_releases", install)
     with pytest.raises(SystemExit) as exc_info:
         gb.main(["--set", "I", "--files", "memory", "--models", "^convnext_small$",
                  "--tag", "never-written", "--timm-dir", str(tmp_path)])
     assert exc_info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("timm 1.0.24 (the release the rows ran) is not in ")
+    assert err.startswith("timm 1.0.24 (the release the rows ran) could not be installed into ")
+    assert err.endswith("install it with --install-timm, or pass --timm installed")
     assert "\n" not in err
 
 
