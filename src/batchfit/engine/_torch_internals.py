@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import random
+import sys
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -474,16 +476,24 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
 
 @contextlib.contextmanager
 def preserved_global_state() -> Iterator[None]:
-    """Restore torch's global state (grad mode, default dtype, RNG) after the block."""
+    """Restore torch's global state (grad mode, default dtype, CPU RNG) and the ``random``
+    and numpy (if imported) RNG states after the block: a model's constructor may draw
+    from any of them."""
     grad_enabled = torch.is_grad_enabled()
     default_dtype = torch.get_default_dtype()
     rng = torch.get_rng_state()
+    py_rng = random.getstate()
+    numpy = sys.modules.get("numpy")
+    np_rng = numpy.random.get_state() if numpy is not None else None
     try:
         yield
     finally:
         torch.set_grad_enabled(grad_enabled)
         torch.set_default_dtype(default_dtype)
         torch.set_rng_state(rng)
+        random.setstate(py_rng)
+        if np_rng is not None:
+            numpy.random.set_state(np_rng)
 
 
 def queue_autograd_callback(callback: Callable[[], None]) -> None:

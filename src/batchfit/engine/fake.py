@@ -17,8 +17,6 @@ stay real, on the CPU. Random draws the constructor makes there are undone.
 from __future__ import annotations
 
 import copy
-import random
-import sys
 from typing import Any, Callable
 
 import torch
@@ -132,11 +130,13 @@ def _call_on_meta(factory: Callable[[], Any], precision: str | None) -> Any:
             return factory()
     except Exception as exc:  # noqa: BLE001 - the user's code can fail in any way
         meta_error = exc
-    built = _call_with_empty_weights(factory, precision)
-    if built is not None:
-        return built
+    init_empty_weights = _init_empty_weights()
+    if init_empty_weights is not None:
+        built = _call_with_empty_weights(init_empty_weights, factory, precision)
+        if built is not None:
+            return built
     message = f"the model factory raised {type(meta_error).__name__}: {meta_error}"
-    if "meta" in str(meta_error).lower() and _init_empty_weights() is None:
+    if "meta" in str(meta_error).lower() and init_empty_weights is None:
         message += ("; its constructor reads tensor values, which batchfit can build "
                     "around with accelerate installed (pip install accelerate)")
     raise ModelSpecError(message) from meta_error
@@ -150,28 +150,22 @@ def _init_empty_weights() -> Callable[..., Any] | None:
     return init_empty_weights
 
 
-def _call_with_empty_weights(factory: Callable[[], Any], precision: str | None) -> Any:
+def _call_with_empty_weights(init_empty_weights: Callable[..., Any],
+                             factory: Callable[[], Any], precision: str | None) -> Any:
     """``factory()`` under accelerate's ``init_empty_weights(include_buffers=False)``: every
     parameter is moved to meta as it is registered, other tensors are real CPU tensors.
-    The random states (torch's CPU generator, ``random``, numpy's) are put back as they
-    were. None if accelerate is not installed or the factory fails here too."""
+    The random states the constructor may draw from are put back as they were
+    (:func:`~batchfit.engine._torch_internals.preserved_global_state`). None if the
+    factory fails here too."""
+    from batchfit.engine import _torch_internals as ti
     from batchfit.engine.keras_step import build_scope
 
-    init_empty_weights = _init_empty_weights()
-    if init_empty_weights is None:
-        return None
-    numpy = sys.modules.get("numpy")
-    saved = (random.getstate(), numpy.random.get_state() if numpy is not None else None)
     try:
-        with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False), \
+        with ti.preserved_global_state(), init_empty_weights(include_buffers=False), \
                 build_scope("meta", precision):
             return factory()
     except Exception:  # noqa: BLE001 - the meta build's error is the one reported
         return None
-    finally:
-        random.setstate(saved[0])
-        if saved[1] is not None:
-            numpy.random.set_state(saved[1])
 
 
 def _meta_stub(tensor: torch.Tensor, float_dtype: torch.dtype | None = None) -> torch.Tensor:
