@@ -357,23 +357,25 @@ def predict_row(row: Row, trace_cache: Path | None = None) -> dict[str, Any]:
 
     settings = row_settings(row)
     config = batchfit.TrainConfig(**settings)
-    factory = functools.partial(build_timm, row.model, row.set != "T")
     device = device_for(row)
     if trace_cache is not None:
         install_trace_cache(trace_cache, row, config, device)
+
+    def solve(build: Any) -> Any:
+        return batchfit.max_batch_size(functools.partial(build, row.model, row.set != "T"),
+                                       (3, row.img_size, row.img_size), config,
+                                       device=device, max_batch_limit=row.start_size)
+
     start = time.perf_counter()
     built = "meta"
     try:
-        result = batchfit.max_batch_size(factory, (3, row.img_size, row.img_size), config,
-                                         device=device, max_batch_limit=row.start_size)
+        result = solve(build_timm)
     except batchfit.ModelSpecError:
         # Some releases' constructors need real tensors everywhere (timm 1.0.9's hybrid
         # embedding runs its backbone on a zero image to size itself): build on the CPU
         # for real, as benchmark.py does before moving the model to the GPU.
         built = "cpu"
-        factory = functools.partial(build_timm_on_cpu, row.model, row.set != "T")
-        result = batchfit.max_batch_size(factory, (3, row.img_size, row.img_size), config,
-                                         device=device, max_batch_limit=row.start_size)
+        result = solve(build_timm_on_cpu)
     est = result.estimate_at_max
     return {
         "predicted": result.max_batch_size,
