@@ -117,8 +117,9 @@ def _allocations(grad_mode) -> list[int]:
 
 
 def test_inference_mode_and_no_grad_allocate_the_same():
-    # Neither saves anything for backward; inference mode only skips version counters and
-    # view tracking on the host. A real forward allocates the same sizes under each.
+    # Without autocast (for its weight cache see test_inference_mode.py): neither saves
+    # anything for backward; inference mode only skips version counters and view tracking
+    # on the host. A real forward allocates the same sizes under each.
     with_no_grad = _allocations(torch.no_grad)
     assert with_no_grad and _allocations(torch.inference_mode) == with_no_grad
 

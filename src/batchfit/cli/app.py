@@ -59,6 +59,11 @@ StackOpt = typer.Option(None, "--stack",
                              "(default: the installed torch)")
 TorchVerOpt = typer.Option(None, "--torch-version", help="torch version, e.g. 1.12 or 2.4")
 CudaVerOpt = typer.Option(None, "--cuda-version", help="CUDA version of that torch, e.g. 11.3")
+InfModeOpt = typer.Option(
+    False, "--inference-mode",
+    help="--mode infer: the script runs under torch.inference_mode() (Lightning's "
+    "validate/test/predict), not torch.no_grad(); from torch 2.11 autocast then keeps no "
+    "weight copies")
 CudnnBenchOpt = typer.Option(False, "--cudnn-benchmark",
                              help="the script sets torch.backends.cudnn.benchmark = True")
 OverheadOpt = typer.Option(
@@ -174,9 +179,11 @@ def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
 
 
 def _stack_settings(stack: str | None, torch_version: str | None, cuda_version: str | None,
-                    cudnn_benchmark: bool) -> dict[str, Any]:
-    """TrainConfig fields for the stack options (checked now: a bad version is one line)."""
-    settings: dict[str, Any] = {"cudnn_benchmark": cudnn_benchmark}
+                    cudnn_benchmark: bool, inference_mode: bool) -> dict[str, Any]:
+    """TrainConfig fields for the stack options and the ones whose effect the stack decides
+    (checked now: a bad version is one line)."""
+    settings: dict[str, Any] = {"cudnn_benchmark": cudnn_benchmark,
+                                "inference_mode": inference_mode}
     if stack is not None or torch_version is not None or cuda_version is not None:
         from batchfit.engine.stack import Stack
 
@@ -316,6 +323,7 @@ def estimate_cmd(
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
     stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
     cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
+    inference_mode: bool = InfModeOpt,
     lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
@@ -343,7 +351,8 @@ def estimate_cmd(
                 raise InvalidInputError("--snapshot compares one GPU's step: leave out "
                                         "--world-size")
             real = load_snapshot(snapshot)
-        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark)
+        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
+                                   inference_mode)
         if memory is not None and not gpu:
             raise InvalidInputError(
                 "estimate --memory goes with --gpu NAME, as that card's memory; an estimate "
@@ -401,6 +410,7 @@ def max_cmd(
         help="token models: fix the batch and find the longest --seq-len that fits"),
     stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
     cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
+    inference_mode: bool = InfModeOpt,
     lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
@@ -427,7 +437,8 @@ def max_cmd(
         if max_limit < 1:
             raise InvalidInputError("--max-batch-limit must be positive")
         _check_plot(plot)
-        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark)
+        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
+                                   inference_mode)
         profile, memory_bytes = _resolve_device(gpu, device, memory, overhead, need_budget=True)
         if "stack" in settings:  # the stack's context must leave room (checked before tracing)
             profile.for_stack(settings["stack"])
@@ -565,7 +576,7 @@ def search_cmd(
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
     mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
     checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,
-    model_kwargs: Optional[list[str]] = KwargsOpt,
+    model_kwargs: Optional[list[str]] = KwargsOpt, inference_mode: bool = InfModeOpt,
     as_json: bool = JsonOpt, debug: bool = DebugOpt,
 ) -> None:
     """Find the exact largest batch on the real device, starting from the prediction."""
@@ -593,7 +604,8 @@ def search_cmd(
                     f"--memory-cap {memory_cap} is larger than this machine's memory "
                     f"({format_bytes(total)}): give a smaller cap")
         spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
-                                      checkpointing, channels_last, model_kwargs)
+                                      checkpointing, channels_last, model_kwargs,
+                                      inference_mode=inference_mode)
         from batchfit.realrun.search import search_max_batch
 
         with _progress(not as_json, f"predicting, then running {model} on {device}...") as status:

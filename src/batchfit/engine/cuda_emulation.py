@@ -223,6 +223,12 @@ class CudaEmulation:
             referenced ``self``: pytorch/pytorch#64000, fixed by #65242).
         cudnn_version: runtime cuDNN version on the target (e.g. 92400); None means the
             one this torch was built with.
+        efficient_chunks_batch: memory-efficient attention runs a batch past the grid
+            limit in pieces (torch >= 2.8, :attr:`Stack.efficient_attention_chunks_batch`).
+        weight_cache: autocast keeps one low-precision copy per fp32 weight for the
+            region (``cached_cast``). False casts weights afresh per op, as torch does
+            under ``torch.inference_mode()`` from 2.11
+            (:attr:`batchfit.engine.stack.Stack.autocast_caches_in_inference_mode`).
 
     Attributes:
         unsupported: calls whose CUDA behaviour the emulation could not reproduce,
@@ -247,7 +253,8 @@ class CudaEmulation:
     def __init__(self, compute_capability: tuple[int, int],
                  autocast_dtype: torch.dtype | None = None, sdpa: bool = True,
                  fused_attention: bool = True, softmax_saves_input: bool = False,
-                 cudnn_version: int | None = None, efficient_chunks_batch: bool = False):
+                 cudnn_version: int | None = None, efficient_chunks_batch: bool = False,
+                 weight_cache: bool = True):
         if (not isinstance(compute_capability, tuple) or len(compute_capability) != 2
                 or not all(isinstance(v, int) and v >= 0 for v in compute_capability)):
             raise ValueError(f"compute_capability must be (major, minor), "
@@ -260,6 +267,7 @@ class CudaEmulation:
         self.sdpa = sdpa
         self.fused_attention = fused_attention
         self.efficient_chunks_batch = efficient_chunks_batch
+        self.weight_cache = weight_cache
         self.softmax_saves_input = softmax_saves_input
         if cudnn_version is None:
             cudnn_version = torch.backends.cudnn.version() or 0
@@ -408,11 +416,14 @@ class CudaEmulation:
 
     def _cast(self, tensor: torch.Tensor, dtype: torch.dtype,
               lower: torch.dtype) -> torch.Tensor:
-        """``cached_cast`` (autocast_mode.cpp)."""
+        """``cached_cast`` (autocast_mode.cpp): a low-precision copy of an fp32 leaf that
+        requires grad is kept for the region, unless the cache is off (``weight_cache``:
+        ``!c10::InferenceMode::is_enabled()`` in ``can_try_cache`` from pytorch#165068)."""
         if not _eligible(tensor) or tensor.dtype is dtype:
             return tensor
         if (dtype is lower and tensor.dtype is torch.float32 and tensor.requires_grad
-                and tensor.is_leaf and not tensor._is_view() and torch.is_autocast_cache_enabled()):
+                and tensor.is_leaf and not tensor._is_view() and torch.is_autocast_cache_enabled()
+                and self.weight_cache):
             return self._cache.get(tensor, dtype, hold=self._region_depth > 0)
         return tensor.to(dtype)
 

@@ -241,6 +241,10 @@ class TrainConfig:
     Args:
         mode: ``train`` (zero_grad, forward, loss, backward, optimizer.step) or ``infer``
             (eval + no_grad, forward only).
+        inference_mode: the ``infer`` step runs under ``torch.inference_mode()`` instead of
+            ``torch.no_grad()`` (what Lightning's validate/test/predict and many serving
+            loops do). From torch 2.11 autocast then keeps no weight copies
+            (:attr:`~batchfit.engine.stack.Stack.autocast_caches_in_inference_mode`).
         optimizer: an :class:`OptimizerName`, its string, or a ``torch.optim.Optimizer`` class.
         optimizer_kwargs: extra keyword arguments for the optimizer (``lr``, ``fused=True``...).
         precision: a :class:`Precision` or its string.
@@ -300,6 +304,7 @@ class TrainConfig:
     use_reentrant: bool = False
     packing: bool = False
     transformers_version: Any = None
+    inference_mode: bool = False
 
     def __post_init__(self) -> None:
         from batchfit.engine.workloads.spec import LoraSpec, LossKind, QuantSpec, parse_lora
@@ -330,6 +335,10 @@ class TrainConfig:
             if self.loss is LossKind.CHUNKED:
                 raise InvalidInputError("--transformers-version models transformers' own loss; "
                                         "--loss chunked replaces it: give one of them")
+        if self.inference_mode and self.mode is Mode.TRAIN:
+            raise InvalidInputError("--inference-mode goes with --mode infer (inference_mode=True "
+                                    "with mode='infer'): a training step cannot run under "
+                                    "torch.inference_mode()")
         steps = self.grad_accum_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InvalidInputError(

@@ -29,12 +29,20 @@ reasons each written in a source:
 * **cuDNN's version** decides which convolution kernels a depthwise convolution reaches
   (:mod:`batchfit.engine.limits`) and whether cuDNN attention is available.
 
-What does *not* change memory: ``torch.inference_mode()`` against ``torch.no_grad()``.
-Both run forward without saving anything for backward; inference mode also skips
-version counters and view tracking (host-side bookkeeping, torch docs "Inference
-Mode"). The autocast weight cache keys on ``requires_grad`` of the parameter, which is
-True under both (``cached_cast`` in aten/src/ATen/autocast_mode.cpp), so both keep the
-low-precision weight copies for the autocast region.
+* **Autocast's weight cache under ``torch.inference_mode()``.** Autocast keeps one
+  low-precision copy of each fp32 weight for the whole autocast region (``cached_cast``
+  in aten/src/ATen/autocast_mode.cpp). pytorch/pytorch#165068 (fixing #158232, merged
+  2025-12-10) adds ``!c10::InferenceMode::is_enabled()`` to that cache's condition, so
+  under inference mode each op casts its weights afresh and the copies die with the op.
+  torch 2.9.1 (released 2025-11-12) predates it; the torch 2.13 and 2.14 wheels have it
+  (tests/engine/test_inference_mode.py counts the casts). We take torch 2.11 as the
+  first release with it, the first whose development window is wholly after the merge:
+  if 2.10 has it too, a 2.10 answer under inference mode is on the safe side (the
+  copies are counted, not missing). :attr:`Stack.autocast_caches_in_inference_mode`.
+
+Otherwise ``torch.inference_mode()`` allocates what ``torch.no_grad()`` does: neither
+saves anything for backward; inference mode also skips version counters and view
+tracking (host-side bookkeeping, torch docs "Inference Mode").
 
 Versions are parsed from what users type (``2.4``, ``2.4.0+cu124``, ``12.4``, ``cu124``,
 ``torch2.4+cu124``). The default is the installed torch and the CUDA it was built for,
@@ -246,6 +254,12 @@ class Stack:
         The RTX PRO 6000 brackets with torch 2.9.1 confirm it: maxxvit's window attention
         ran a 98,304 batch there, and failed at 65,536 with torch 2.4."""
         return self.torch_version >= (2, 8)
+
+    @property
+    def autocast_caches_in_inference_mode(self) -> bool:
+        """Autocast keeps its weight copies for the region under ``torch.inference_mode()``
+        too (torch < 2.11; see the module docstring: pytorch/pytorch#165068)."""
+        return self.torch_version < (2, 11)
 
     @property
     def has_sdpa(self) -> bool:

@@ -20,7 +20,8 @@ Default loss rules (``TrainConfig.loss_fn`` overrides them):
 * a 2-D floating output ``(B, C)``: cross-entropy against random integer targets in ``[0, C)``;
 * anything else: the sum of ``.float().mean()`` over the floating tensors of the output.
 
-Inference step: ``model.eval()`` and ``torch.no_grad()``, forward only.
+Inference step: ``model.eval()`` and ``torch.no_grad()`` (or ``torch.inference_mode()``
+with ``TrainConfig.inference_mode``), forward only.
 """
 
 from __future__ import annotations
@@ -242,6 +243,9 @@ class StepRunner:
         engine: a training engine that owns backward and the optimizer step, as
             DeepSpeed's does (``engine.backward(loss)``; ``engine.step()``, which also
             zeroes the gradients); None: ``loss.backward()`` and ``optimizer.step()``.
+        traced: batchfit's tracer runs the step; an inference-mode step then runs under
+            ``no_grad`` (the tracer applies inference mode's one memory effect, on the
+            autocast cache, itself: :mod:`batchfit.engine.trace`).
     """
 
     model: nn.Module
@@ -255,6 +259,7 @@ class StepRunner:
     optimizer: torch.optim.Optimizer | None = None
     scaler: _GradScalerSteps | None = None
     engine: Any = None
+    traced: bool = False
 
     def __post_init__(self) -> None:
         if self.config.mode is Mode.TRAIN:
@@ -336,7 +341,8 @@ class StepRunner:
         self.optimizer_step()
 
     def infer_step(self) -> None:
-        with torch.no_grad():
+        real_inference_mode = self.config.inference_mode and not self.traced
+        with torch.inference_mode() if real_inference_mode else torch.no_grad():
             output = self.forward_loss()
         del output
 

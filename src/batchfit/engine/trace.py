@@ -328,6 +328,10 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         for t in ti.iter_tensors(batch):
             tracer.register(t, Category.INPUTS)
         emulation = None
+        # The trace runs an inference_mode step under no_grad (under inference mode a
+        # dispatch mode sees composite ops such as aten.linear undecomposed); what
+        # inference mode changes in memory is autocast's weight cache, switched off here.
+        weight_cache = not (config.inference_mode and not stack.autocast_caches_in_inference_mode)
         if device.is_cuda:
             from batchfit.engine.cuda_emulation import CudaEmulation
 
@@ -337,16 +341,18 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                                       cudnn_version=stack.cudnn_version,
                                       fused_attention=stack.has_sdpa,
                                       efficient_chunks_batch=stack.efficient_attention_chunks_batch,
+                                      weight_cache=weight_cache,
                                       softmax_saves_input=stack.softmax_saves_input)
             autocast = emulation.autocast_region if amp else None
             emulation.where = tracer.current_module
         elif precision.autocast_dtype:
             amp_dtype = torch_dtype(precision.autocast_dtype)
-            autocast = lambda: torch.autocast("cpu", dtype=amp_dtype)  # noqa: E731
+            autocast = lambda: torch.autocast("cpu", dtype=amp_dtype,  # noqa: E731
+                                              cache_enabled=weight_cache)
         else:
             autocast = None
         with fake_mode:
-            runner = StepRunner(twin, config, batch, autocast=autocast,
+            runner = StepRunner(twin, config, batch, autocast=autocast, traced=True,
                                 foreach=stack.foreach_default if device.is_cuda else False,
                                 on_phase=lambda name: setattr(tracer, "phase", Phase(name)),
                                 generator=generator,
