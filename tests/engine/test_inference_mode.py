@@ -144,3 +144,21 @@ def test_cli_inference_mode():
     fc2 = 294_912 + 512
     assert copies() == 12 * per_block + 11 * fc2 + 294_912 + 512
     assert copies("--inference-mode") == 0
+
+
+def test_the_flop_trace_sees_the_same_ops_in_inference_mode():
+    # Under a real torch.inference_mode() a dispatch mode receives composite ops whole
+    # (aten.linear instead of the autocast casts and aten.addmm), which the FLOP and byte
+    # rules do not know: the trace runs the step under no_grad, so both modes give the
+    # ops of a bf16-autocast Linear-ReLU-Linear: 3 + 2 casts, two addmm, one relu.
+    from batchfit.speed.op_costs import trace_op_costs
+
+    def ops(inference_mode):
+        config = TrainConfig(mode="infer", precision="amp-bf16", inference_mode=inference_mode)
+        return [o.op for o in trace_op_costs(lambda: nn.Sequential(
+            nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)), (64,), 8, config)]
+
+    expected = ["aten._to_copy.default"] * 3 + ["aten.addmm.default", "aten.relu.default"] + \
+        ["aten._to_copy.default"] * 2 + ["aten.addmm.default"]
+    assert ops(False) == expected
+    assert ops(True) == expected

@@ -243,9 +243,11 @@ class StepRunner:
         engine: a training engine that owns backward and the optimizer step, as
             DeepSpeed's does (``engine.backward(loss)``; ``engine.step()``, which also
             zeroes the gradients); None: ``loss.backward()`` and ``optimizer.step()``.
-        traced: batchfit's tracer runs the step; an inference-mode step then runs under
-            ``no_grad`` (the tracer applies inference mode's one memory effect, on the
-            autocast cache, itself: :mod:`batchfit.engine.trace`).
+        traced: a dispatch-mode trace runs the step (memory, FLOPs); an inference-mode
+            step then runs under ``no_grad``, whose op stream the trace's rules know (under
+            inference mode composite ops such as ``aten.linear`` reach a dispatch mode
+            undecomposed). The memory trace applies inference mode's one memory effect,
+            on the autocast cache, itself (:mod:`batchfit.engine.trace`).
     """
 
     model: nn.Module

@@ -303,7 +303,7 @@ def trace_op_costs(model: Any, inputs: Any, batch_size: int, config: TrainConfig
             amp_dtype = torch_dtype(amp)
             autocast = lambda: torch.autocast("cpu", dtype=amp_dtype)
         with fake_mode:
-            runner = StepRunner(twin, config, batch, autocast=autocast,
+            runner = StepRunner(twin, config, batch, autocast=autocast, traced=True,
                                 foreach=profile.is_cuda, generator=generator)
         counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
         recorder = _CostRecorder(counter)
