@@ -162,3 +162,12 @@ def test_the_flop_trace_sees_the_same_ops_in_inference_mode():
         ["aten._to_copy.default"] * 2 + ["aten.addmm.default"]
     assert ops(False) == expected
     assert ops(True) == expected
+
+
+def test_the_tracker_refuses_an_inference_mode_step():
+    # Its dispatch mode would receive composite ops whole under inference mode and miss
+    # the tensors made inside them; the profiler (above) sees every allocation.
+    with pytest.raises(InvalidInputError, match="method='profiler'"):
+        measure_step(four_linears, (1024,), 4,
+                     TrainConfig(mode="infer", precision="amp-bf16", inference_mode=True),
+                     method="tracker")
