@@ -171,3 +171,31 @@ def test_the_tracker_refuses_an_inference_mode_step():
         measure_step(four_linears, (1024,), 4,
                      TrainConfig(mode="infer", precision="amp-bf16", inference_mode=True),
                      method="tracker")
+
+
+def test_real_runs_are_the_users_inference_mode_step(tmp_path):
+    # bench and search run real steps: under --inference-mode they must run the user's
+    # torch.inference_mode(), not the trace's no_grad. This model refuses a real forward
+    # outside inference mode (the fake trace is exempt), so each command succeeds only
+    # if its real steps run in inference mode.
+    path = tmp_path / "strict.py"
+    path.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "from torch._subclasses.fake_tensor import is_fake\n"
+        "class Strict(nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        if not is_fake(x) and not torch.is_inference_mode_enabled():\n"
+        "            raise RuntimeError('not in inference mode')\n"
+        "        return super().forward(x)\n"
+        "def strict():\n"
+        "    return Strict(64, 8)\n")
+    runner = CliRunner()
+    common = ["--device", "cpu", "--mode", "infer", "--input", "64", "--json"]
+    bench = ["bench", f"{path}:strict", "--memory", "64MiB", "--batches", "4,8", *common]
+    search = ["search", f"{path}:strict", "--memory-cap", "64MiB", "--boundary-runs", "1",
+              *common]
+    for args in (bench, search):
+        assert runner.invoke(app, [*args, "--inference-mode"]).exit_code == 0
+        under_no_grad = runner.invoke(app, args)
+        assert under_no_grad.exit_code != 0 and "not in inference mode" in under_no_grad.output

@@ -656,7 +656,7 @@ def bench_cmd(
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
     mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
     checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,
-    model_kwargs: Optional[list[str]] = KwargsOpt,
+    model_kwargs: Optional[list[str]] = KwargsOpt, inference_mode: bool = InfModeOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
     """Measure (or predict) throughput against batch size and recommend the fastest batch."""
@@ -673,7 +673,8 @@ def bench_cmd(
         budget_s = parse_duration(time_budget)
         card = _predicted_card(gpu, memory_bytes) if predict else None
         spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
-                                      checkpointing, channels_last, model_kwargs)
+                                      checkpointing, channels_last, model_kwargs,
+                                      inference_mode=inference_mode)
         if predict:
             from batchfit.speed.roofline import predict_throughput
 
