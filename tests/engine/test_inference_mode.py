@@ -83,9 +83,8 @@ def test_emulated_weight_copies_follow_the_stack(inference_mode, stack, held):
     config = TrainConfig(mode="infer", precision="amp-fp16", inference_mode=inference_mode,
                          stack=stack)
     trace = trace_step(four_linears, (1024,), 4, config, A100)
-    live_copies = [e for e in trace.steady_events
-                   if e.kind is EventKind.ALLOC and e.nbytes == 2 * MIB]
-    assert len(live_copies) == 4  # four casts either way; what differs is how long they live
+    casts = [e for e in trace.steady_events if e.kind is EventKind.ALLOC and e.nbytes == 2 * MIB]
+    assert len(casts) == 4  # four casts either way; what differs is how long they live
     assert _peak_live(trace.steady_events, Category.AUTOCAST_COPIES) == held
 
 
