@@ -35,10 +35,11 @@ reasons each written in a source:
   2025-12-10) adds ``!c10::InferenceMode::is_enabled()`` to that cache's condition, so
   under inference mode each op casts its weights afresh and the copies die with the op.
   torch 2.9.1 (released 2025-11-12) predates it; the torch 2.13 and 2.14 wheels have it
-  (tests/engine/test_inference_mode.py counts the casts). We take torch 2.11 as the
-  first release with it, the first whose development window is wholly after the merge:
-  if 2.10 has it too, a 2.10 answer under inference mode is on the safe side (the
-  copies are counted, not missing). :attr:`Stack.autocast_caches_in_inference_mode`.
+  (tests/engine/test_inference_mode.py counts the casts). The first release with it is
+  2.11: ultralytics/thop v2.2.4's release notes give the bug #165068 fixes (cached casts
+  made under no_grad) as affecting "PyTorch 2.10 and older". Were 2.10 to have it, a 2.10
+  answer under inference mode would count copies the real step does not keep, on the
+  safe side. :attr:`Stack.autocast_caches_in_inference_mode`.
 
 Otherwise ``torch.inference_mode()`` allocates what ``torch.no_grad()`` does: neither
 saves anything for backward; inference mode also skips version counters and view
