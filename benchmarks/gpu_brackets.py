@@ -111,20 +111,22 @@ class Row:
     def key(self) -> str:
         return f"{self.file}:{self.index}:{self.model}:{self.gpu}:{self.torch}:{self.layout}"
 
+    def _tagged(self, table: tuple[tuple[str, str], ...]) -> str | None:
+        """The version of the first ``(tag, version)`` whose tag is a ``-``-separated part
+        of the row's file name."""
+        return next((version for tag, version in table if f"-{tag}-" in self.source_file), None)
+
     @property
     def cuda(self) -> str:
-        for tag, version in CUDA_OF_SOURCE:
-            if tag in self.source_file:
-                return version
-        raise ValueError(f"no CUDA version in {self.source_file}")
+        version = self._tagged(CUDA_OF_SOURCE)
+        if version is None:
+            raise ValueError(f"no CUDA version in {self.source_file}")
+        return version
 
     @property
     def timm_release(self) -> str | None:
         """The timm release that produced this row's file; None: not installable here."""
-        for tag, version in TIMM_OF_SOURCE:
-            if f"-{tag}-" in self.source_file:
-                return version
-        return None
+        return self._tagged(TIMM_OF_SOURCE)
 
     @property
     def start_size(self) -> int:

@@ -331,7 +331,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
         # The trace runs an inference_mode step under no_grad (under inference mode a
         # dispatch mode sees composite ops such as aten.linear undecomposed); what
         # inference mode changes in memory is autocast's weight cache, switched off here.
-        weight_cache = not (config.inference_mode and not stack.autocast_caches_in_inference_mode)
+        weight_cache = not config.inference_mode or stack.autocast_caches_in_inference_mode
         if device.is_cuda:
             from batchfit.engine.cuda_emulation import CudaEmulation
 
