@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 import batchfit
 from batchfit.cli.app import app
 from batchfit.device.profile import DeviceProfile
+from batchfit.device.timeline import peak_live_bytes
 from batchfit.engine.spec import TrainConfig
 from batchfit.engine.stack import Stack
 from batchfit.engine.trace import trace_step
@@ -38,15 +39,6 @@ INSTALLED_SKIPS_CACHE = not Stack.installed().autocast_caches_in_inference_mode
 
 def four_linears() -> nn.Module:
     return nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(4)])
-
-
-def _peak_live(events, category: Category) -> int:
-    live = peak = 0
-    for e in events:
-        if e.category is category and e.kind in (EventKind.ALLOC, EventKind.FREE):
-            live += e.nbytes if e.kind is EventKind.ALLOC else -e.nbytes
-            peak = max(peak, live)
-    return peak
 
 
 def test_the_stack_says_when_the_cache_is_skipped():
@@ -85,7 +77,8 @@ def test_emulated_weight_copies_follow_the_stack(inference_mode, stack, held):
     trace = trace_step(four_linears, (1024,), 4, config, A100)
     casts = [e for e in trace.steady_events if e.kind is EventKind.ALLOC and e.nbytes == 2 * MIB]
     assert len(casts) == 4  # four casts either way; what differs is how long they live
-    assert _peak_live(trace.steady_events, Category.AUTOCAST_COPIES) == held
+    copies = [e for e in trace.steady_events if e.category is Category.AUTOCAST_COPIES]
+    assert peak_live_bytes(copies) == held
 
 
 def test_emulated_peak_drops_by_three_copies():
