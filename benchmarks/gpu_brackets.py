@@ -244,6 +244,8 @@ def row_settings(row: Row) -> dict[str, Any]:
         settings["cudnn_benchmark"] = True
     if "inference_mode" in fields and not train:
         settings["inference_mode"] = row.torch.startswith("2.9")
+    if "alloc_conf" in fields:  # benchmark.py ran torch's default allocator, whatever ours has
+        settings["alloc_conf"] = ""
     return settings
 
 

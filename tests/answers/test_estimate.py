@@ -430,3 +430,30 @@ def test_custom_op_is_named_in_a_warning():
 
     est = batchfit.estimate(Outer, (8,), 2, mode="infer")
     assert any("batchfit_test.scale" in w and "'block'" in w for w in est.warnings), est.warnings
+
+
+def test_the_allocator_options_reach_the_cuda_replay(monkeypatch):
+    # Linear 1024 -> 300 * 1024 fp32 at batch 1024: weight and output are 1024 * 307,200
+    # * 4 B = 1200 MiB each, the input 4 MiB. roundup_power2_divisions:4 rounds 1200 MiB
+    # up to 1280 (steps of 1024 MiB / 4) and the T4's cuBLAS workspaces (2 x 8.125 =
+    # 16.25 MiB, in a segment rounded to 18 MiB) up to 20 MiB (16 + 4); the 4 MiB input,
+    # a power of two, stays. So 80 + 80 + 2 = 162 MiB more. The option comes from
+    # TrainConfig or, when that leaves it out, from PYTORCH_CUDA_ALLOC_CONF.
+    def model():
+        return nn.Linear(1024, 300 * 1024, bias=False)
+
+    def activations(est):
+        return est.by_category[Category.ACTIVATIONS]
+
+    plain = batchfit.estimate(model, (1024,), 1024, mode="infer", device="T4")
+    rounded = batchfit.estimate(model, (1024,), 1024, mode="infer", device="T4",
+                                alloc_conf="roundup_power2_divisions:4")
+    assert activations(plain) == 1200 * MIB and activations(rounded) == 1280 * MIB
+    assert rounded.by_category[Category.PARAMETERS] == 1280 * MIB
+    assert rounded.total_bytes - plain.total_bytes == 162 * MIB
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:4")
+    from_env = batchfit.estimate(model, (1024,), 1024, mode="infer", device="T4")
+    assert from_env.total_bytes == rounded.total_bytes
+    assert str(from_env.device.allocator) == "roundup_power2_divisions:4"
+    on_cpu = batchfit.estimate(model, (1024,), 1024, mode="infer")  # no caching allocator
+    assert activations(on_cpu) == 1200 * MIB and str(on_cpu.device.allocator) == "default"

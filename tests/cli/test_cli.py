@@ -382,6 +382,10 @@ BAD = [
       "--cuda-version", "11.3", "--torch-version", "1.12"], 2, "below the 1,425,276,928 B"),
     (["estimate", "timm:resnet18", "-b", "2", "--stack", "torch2.4+cu124",
       "--torch-version", "2.4"], 2, "not both"),
+    (["max", "timm:resnet18", "--gpu", "T4", "--alloc-conf", "max_split_size_mb:16"], 2,
+     "must be > 20"),
+    (["estimate", "timm:resnet18", "-b", "2", "--gpu", "T4", "--alloc-conf",
+      "backend:cudaMallocAsync"], 2, "not modelled"),
 ]
 
 
@@ -408,6 +412,26 @@ def test_stack_sets_the_context_in_json(factory_file):
     assert json.loads(old.output)["device"]["context_bytes"] == 1343 * MIB
     assert json.loads(new.output)["device"]["context_bytes"] == 512 * MIB
     assert json.loads(old.output)["stack"]["torch_version"] == "1.12"
+
+
+def test_alloc_conf_from_the_option_and_from_the_environment(factory_file, monkeypatch):
+    # The answer states the allocator options it assumed; --alloc-conf wins over the
+    # shell's PYTORCH_CUDA_ALLOC_CONF, which is read when the option is left out.
+    args = ("max", f"{factory_file}:with_spec", "--gpu", "T4", "--max-batch-limit", "64",
+            "--json")
+    default = json.loads(invoke(*args).output)["device"]["allocator"]
+    given = json.loads(invoke(*args, "--alloc-conf", "max_split_size_mb:64").output)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from_env = json.loads(invoke(*args).output)
+    overridden = json.loads(invoke(*args, "--alloc-conf", "").output)
+    assert default == "default" and overridden["device"]["allocator"] == "default"
+    assert given["device"]["allocator"] == "max_split_size_mb:64"
+    assert from_env["device"]["allocator"] == "expandable_segments:True"
+    human = invoke("max", f"{factory_file}:with_spec", "--gpu", "T4", "--max-batch-limit", "64")
+    assert "allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in human.output
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segment:True")
+    bad = invoke(*args)
+    assert bad.exit_code == 2 and "PYTORCH_CUDA_ALLOC_CONF: unknown allocator option" in bad.output
 
 
 def test_debug_shows_the_traceback():

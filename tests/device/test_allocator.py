@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from batchfit.device.allocator import (
     NULL_HANDLE,
+    AllocatorConfig,
     AllocatorOutOfMemory,
     AllocEvent,
     CachingAllocator,
@@ -25,6 +26,7 @@ from batchfit.device.allocator import (
     round_size,
     segment_size,
 )
+from batchfit.device.expandable import ExpandableAllocator
 from batchfit.errors import BatchfitError, InvalidInputError
 
 KiB = 2**10
@@ -249,8 +251,9 @@ def test_pools_are_separate():
     assert allocator.reserved_bytes == 22 * MiB
 
 
-def test_freeing_an_unknown_or_dead_handle_is_an_error():
-    allocator = CachingAllocator()
+@pytest.mark.parametrize("model", [CachingAllocator, ExpandableAllocator])
+def test_freeing_an_unknown_or_dead_handle_is_an_error(model):
+    allocator = model()
     handle = allocator.malloc(512)
     allocator.free(handle)
     with pytest.raises(InvalidInputError, match="not a live allocation"):
@@ -509,3 +512,195 @@ def test_replay_matches_the_allocator(ops):
         assert result.reserved_bytes[result.peak_reserved_index] == result.peak_reserved_bytes
         assert result.reserved_bytes.index(result.peak_reserved_bytes) == \
             result.peak_reserved_index
+
+
+# --- PYTORCH_CUDA_ALLOC_CONF options ----------------------------------------------------
+# Expected values from c10/cuda/CUDACachingAllocator.cpp with the option set:
+# round_size/roundup_power2_next_division, get_free_block's two oversize rules,
+# should_split (size < max_split_size), release_available_cached_blocks; and from
+# c10/cuda/CUDAAllocatorConfig.cpp's parseArgs checks.
+
+
+@pytest.mark.parametrize(("nbytes", "divisions", "expected"), [
+    (1200 * MiB, 4, 1280 * MiB),  # floor power of two 1024 MiB, steps of 1024/4 = 256 MiB
+    (1024 * MiB, 4, 1024 * MiB),  # a power of two stays
+    (3 * MiB + 1, 4, 3 * MiB + 512 * KiB),  # floor 2 MiB, steps of 512 KiB
+    (4609, 2, 6144),  # floor 4096, steps of 2048 (512-rounding would give 5120)
+    (1500, 4, 1536),  # not above 512 * 4 = 2048 B: plain 512-rounding
+    (1200 * MiB, 1, 1200 * MiB),  # one division is no rounding beyond 512 B
+])
+def test_roundup_power2_divisions(nbytes, divisions, expected):
+    assert round_size(nbytes, divisions) == expected
+
+
+def test_roundup_power2_divisions_changes_what_a_request_reserves():
+    # 1200 MiB rounds to 1280 MiB with 4 divisions; its own segment is that (a multiple
+    # of 2 MiB), so 80 MiB more is reserved than without the option.
+    plain = CachingAllocator()
+    plain.malloc(1200 * MiB)
+    rounded = AllocatorConfig(roundup_power2_divisions=4).new_allocator()
+    rounded.malloc(1200 * MiB)
+    assert (plain.reserved_bytes, rounded.reserved_bytes) == (1200 * MiB, 1280 * MiB)
+    assert rounded.allocated_bytes == 1280 * MiB
+
+
+def _max_split(mib: int, capacity: int | None = None) -> CachingAllocator:
+    return AllocatorConfig(max_split_size_bytes=mib * MiB).new_allocator(capacity)
+
+
+def test_max_split_size_keeps_small_requests_out_of_oversize_blocks():
+    # A cached 100 MiB block is oversize (>= 40 MiB): a 30 MiB request (< 40) is refused
+    # it and gets its own 30 MiB segment; without the option it splits the 100 MiB block.
+    for allocator, reserved in ((_max_split(40), 130 * MiB), (CachingAllocator(), 100 * MiB)):
+        allocator.free(allocator.malloc(100 * MiB))
+        allocator.malloc(30 * MiB)
+        assert allocator.reserved_bytes == reserved
+
+
+def test_max_split_size_hands_oversize_blocks_out_whole_within_the_rounding_allowance():
+    # 90 MiB >= 40 MiB takes the cached 100 MiB block (100 < 90 + 20) unsplit: 100 MiB
+    # allocated. Without the option the block splits (10 MiB > 1 MiB left): 90 allocated.
+    allocator = _max_split(40)
+    allocator.free(allocator.malloc(100 * MiB))
+    allocator.malloc(90 * MiB)
+    assert (allocator.allocated_bytes, allocator.reserved_bytes) == (100 * MiB, 100 * MiB)
+    plain = CachingAllocator()
+    plain.free(plain.malloc(100 * MiB))
+    plain.malloc(90 * MiB)
+    assert plain.allocated_bytes == 90 * MiB
+    # 70 MiB: the 100 MiB block exceeds 70 + 20, so it is refused: a new 70 MiB segment.
+    allocator = _max_split(40)
+    allocator.free(allocator.malloc(100 * MiB))
+    allocator.malloc(70 * MiB)
+    assert allocator.reserved_bytes == 170 * MiB
+
+
+def test_max_non_split_rounding_widens_the_allowance():
+    # With max_non_split_rounding_mb:40 a 70 MiB request may take the 100 MiB block whole.
+    allocator = AllocatorConfig.parse("max_split_size_mb:40,max_non_split_rounding_mb:40"
+                                      ).new_allocator()
+    allocator.free(allocator.malloc(100 * MiB))
+    allocator.malloc(70 * MiB)
+    assert (allocator.allocated_bytes, allocator.reserved_bytes) == (100 * MiB, 100 * MiB)
+
+
+def test_release_available_cached_blocks_frees_one_covering_oversize_segment():
+    # Capacity 150 MiB; cached free segments of 22 MiB and 100 MiB. A 30 MiB request is
+    # refused the 100 MiB block (oversize) and cannot cudaMalloc 30 (122 + 30 > 150):
+    # release_available_cached_blocks frees the smallest oversize segment covering
+    # max(30, 40) = 40 MiB, the 100 MiB one, and the retry fits: 22 + 30 = 52 MiB
+    # reserved, the 22 MiB segment still cached (release_cached_blocks would free it too).
+    allocator = _max_split(40, capacity=150 * MiB)
+    x, a = allocator.malloc(22 * MiB), allocator.malloc(100 * MiB)
+    allocator.free(x)
+    allocator.free(a)
+    allocator.malloc(30 * MiB)
+    stats = allocator.stats()
+    assert (stats.reserved_bytes, stats.cached_free_bytes) == (52 * MiB, 22 * MiB)
+    assert (stats.cuda_free_count, stats.alloc_retry_count) == (1, 0)
+
+
+def test_release_available_cached_blocks_frees_oversize_segments_largest_first():
+    # Cached free: 50 and 45 MiB (oversize, >= 40) and 22 MiB; 60 MiB live; capacity
+    # 200 MiB. An 80 MiB request finds no block (none >= 80) and cudaMalloc fails
+    # (177 + 80 > 200). No single oversize segment covers 80 MiB, so they are freed from
+    # the largest down until 80 MiB are released: 50, then 45 (95 >= 80). Then 82 + 80 =
+    # 162 MiB reserved, the 22 MiB segment still cached.
+    allocator = _max_split(40, capacity=200 * MiB)
+    b50, b45 = allocator.malloc(50 * MiB), allocator.malloc(45 * MiB)
+    allocator.malloc(60 * MiB)
+    z = allocator.malloc(22 * MiB)
+    for handle in (b50, b45, z):
+        allocator.free(handle)
+    allocator.malloc(80 * MiB)
+    assert allocator.reserved_bytes == 162 * MiB
+    assert allocator.stats().cuda_free_count == 2
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("", AllocatorConfig()),
+    (None, AllocatorConfig()),
+    ("max_split_size_mb:128", AllocatorConfig(max_split_size_bytes=128 * MiB)),
+    (" expandable_segments:True , garbage_collection_threshold:0.6",
+     AllocatorConfig(expandable_segments=True)),
+    ("expandable_segments:False,roundup_power2_divisions:8",
+     AllocatorConfig(roundup_power2_divisions=8)),
+    ("backend:native,pinned_use_cuda_host_register:True,release_lock_on_cudamalloc:True",
+     AllocatorConfig()),
+])
+def test_alloc_conf_parses(text, expected):
+    assert AllocatorConfig.parse(text) == expected
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("max_split_size_mb:20", "must be > 20"),  # torch: "must be > kLargeBuffer / 1 MiB"
+    ("max_split_size_mb:lots", "whole number"),
+    ("roundup_power2_divisions:3", "power of 2"),
+    ("roundup_power2_divisions:[256:1,512:2,>:8]", "per-size list"),
+    ("expandable_segments:true", "True or False"),  # torch compares with "True"/"False"
+    ("backend:cudaMallocAsync", "not modelled"),
+    ("expandable_segments", "no value"),
+    ("max_splitsize_mb:64", "unknown allocator option"),
+])
+def test_alloc_conf_refuses_with_one_line(text, says):
+    with pytest.raises(InvalidInputError, match=says) as info:
+        AllocatorConfig.parse(text)
+    assert "\n" not in str(info.value)
+
+
+def test_alloc_conf_from_the_environment_prefers_the_cuda_variable():
+    assert AllocatorConfig.from_environment({}) == AllocatorConfig()
+    assert AllocatorConfig.from_environment(
+        {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}).max_split_size_bytes == 64 * MiB
+    both = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+            "PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}
+    assert AllocatorConfig.from_environment(both) == AllocatorConfig(expandable_segments=True)
+    with pytest.raises(InvalidInputError, match="PYTORCH_CUDA_ALLOC_CONF: unknown"):
+        AllocatorConfig.from_environment({"PYTORCH_CUDA_ALLOC_CONF": "bogus:1"})
+
+
+_REAL_ALLOCATOR = """
+import json, sys
+import torch
+events = json.loads(sys.argv[1])
+live, reserved = {}, []
+torch.cuda.init()
+base = torch.cuda.memory_reserved()
+for kind, key, nbytes in events:
+    if kind == "alloc":
+        live[key] = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    else:
+        del live[key]
+    reserved.append(torch.cuda.memory_reserved() - base)
+print(json.dumps(reserved))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("conf", ["", "max_split_size_mb:21", "roundup_power2_divisions:4",
+                                  "expandable_segments:True"])
+def test_the_model_reserves_what_the_real_allocator_reserves(conf):
+    # The same allocations and frees on the real allocator, in a fresh process with the
+    # options set: reserved bytes after every event agree with the model's.
+    import os
+    import subprocess
+    import sys
+
+    sizes = [12 * MiB, 30 * MiB, 5 * MiB, 1200 * MiB + 3, 700 * KiB, 64 * MiB]
+    events = [("alloc", i, n) for i, n in enumerate(sizes)]
+    events += [("free", 1, 0), ("free", 3, 0), ("alloc", 10, 40 * MiB), ("free", 0, 0),
+               ("alloc", 11, 24 * MiB), ("alloc", 12, 1000 * MiB), ("free", 5, 0)]
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
+    real = json.loads(subprocess.run([sys.executable, "-c", _REAL_ALLOCATOR, json.dumps(events)],
+                                     env=env, check=True, capture_output=True, text=True
+                                     ).stdout)
+    model = AllocatorConfig.parse(conf).new_allocator()
+    handles, predicted = {}, []
+    for kind, key, nbytes in events:
+        if kind == "alloc":
+            handles[key] = model.malloc(nbytes)
+        else:
+            model.free(handles.pop(key))
+        predicted.append(model.reserved_bytes)
+    assert predicted == real

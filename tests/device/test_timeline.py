@@ -10,6 +10,7 @@ every wholly free segment and retries once.
 
 from __future__ import annotations
 
+from batchfit.device.allocator import AllocatorConfig
 from batchfit.device.profile import DeviceProfile
 from batchfit.device.timeline import fits_within, loop_events, needed_bytes, replay_events
 from batchfit.engine.tracer import Category, Event, EventKind, Phase
@@ -46,6 +47,42 @@ def test_the_second_step_on_the_first_steps_cache_needs_70_mib():
     assert needed_bytes(STEP, DEV) == 70 * MiB
     assert fits_within(STEP, DEV, 70 * MiB)
     assert not fits_within(STEP, DEV, 68 * MiB)  # capacities are whole 2 MiB segments
+
+
+def test_max_split_size_keeps_the_second_step_from_splitting_the_cached_block():
+    # PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:21 (get_free_block refuses an oversize
+    # block, >= 21 MiB, to a request below 21 MiB; an oversize request takes a block less
+    # than 20 MiB larger whole). Step 2 at a 42 MiB capacity: s (12) is refused the cached
+    # 40 MiB block, cudaMalloc(12) fails (52 > 42), release_available_cached_blocks frees
+    # the 40 MiB oversize segment and s gets 12; t (30) gets its own 30 (42 in all); u (40)
+    # fits after the release of the two free segments. At 40 MiB step 1 already fails at t
+    # (12 + 30). So 42 MiB, where the default allocator needs 70.
+    device = DEV.with_allocator(AllocatorConfig(max_split_size_bytes=21 * MiB))
+    assert needed_bytes(STEP, device) == 42 * MiB
+    assert fits_within(STEP, device, 42 * MiB) and not fits_within(STEP, device, 40 * MiB)
+
+
+def test_expandable_segments_serve_the_loop_from_three_mapped_pages():
+    # expandable_segments:True, 20 MiB pages. Step 1: s (12) maps page 0 and splits it
+    # (8 MiB free at 12); t (30) finds no free block, so find_expandable_block takes that
+    # free 8 MiB block (it precedes the unmapped rest) and maps 22 MiB more: pages 1-2,
+    # t at [12, 42), 18 MiB free after it; 60 MiB mapped. s and t free, merging [0, 60);
+    # u (40) splits it. Step 2 finds [0, 60) free and splits it again for s, t and u. At
+    # 40 MiB, t cannot map its two pages and the retry unmaps nothing (the free 8 MiB
+    # covers no whole page). So 60 MiB, for one step and for the loop.
+    device = DEV.with_allocator(AllocatorConfig(expandable_segments=True))
+    assert needed_bytes(STEP, device, loop=False) == 60 * MiB
+    assert needed_bytes(STEP, device) == 60 * MiB
+    assert not fits_within(STEP, device, 58 * MiB)
+
+
+def test_roundup_power2_divisions_rounds_what_the_replay_reserves():
+    # roundup_power2_divisions:4 rounds 1200 MiB up to 1280 (steps of 1024/4 MiB), and
+    # the breakdown counts the rounded block.
+    step = [_alloc(1, 1200), _free(1, 1200)]
+    device = DEV.with_allocator(AllocatorConfig(roundup_power2_divisions=4))
+    assert needed_bytes(step, DEV) == 1200 * MiB and needed_bytes(step, device) == 1280 * MiB
+    assert replay_events(step, device).by_category[Category.ACTIVATIONS] == 1280 * MiB
 
 
 def test_the_timeline_reports_the_loops_peak_on_the_steps_events():

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from batchfit.device.allocator import AllocatorConfig
 from batchfit.device.profile import DeviceProfile, resolve_device
 from batchfit.device.snapshot import SnapshotComparison, compare_step
 from batchfit.device.timeline import ModuleMemory, Timeline, needed_bytes, replay_events
@@ -145,7 +146,8 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
         4198400
     """
     config = make_config(config, options)
-    profile = resolve_device(device).for_stack(config.resolved_stack)
+    profile = resolve_device(device).for_stack(config.resolved_stack).with_allocator(
+        AllocatorConfig.resolve(config.alloc_conf))
     if snapshot is not None and not profile.is_cuda:
         raise InvalidInputError("a CUDA memory snapshot is compared with a CUDA target: "
                                 "give a GPU (--gpu NAME or --device cuda)")

@@ -66,6 +66,9 @@ InfModeOpt = typer.Option(
     "weight copies")
 CudnnBenchOpt = typer.Option(False, "--cudnn-benchmark",
                              help="the script sets torch.backends.cudnn.benchmark = True")
+AllocConfOpt = typer.Option(None, "--alloc-conf", metavar="OPTIONS",
+                            help="the training process's PYTORCH_CUDA_ALLOC_CONF, e.g. "
+                                 "expandable_segments:True (default: this shell's)")
 OverheadOpt = typer.Option(
     None, "--overhead",
     help="memory outside the tensors, e.g. 600MiB: the CUDA context (GPU), or the CPU runtime's "
@@ -179,11 +182,17 @@ def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
 
 
 def _stack_settings(stack: str | None, torch_version: str | None, cuda_version: str | None,
-                    cudnn_benchmark: bool, inference_mode: bool) -> dict[str, Any]:
+                    cudnn_benchmark: bool, inference_mode: bool,
+                    alloc_conf: str | None = None) -> dict[str, Any]:
     """TrainConfig fields for the stack options and the ones whose effect the stack decides
-    (checked now: a bad version is one line)."""
+    (checked now: a bad version or allocator option is one line)."""
+    from batchfit.device.allocator import AllocatorConfig
+
     settings: dict[str, Any] = {"cudnn_benchmark": cudnn_benchmark,
-                                "inference_mode": inference_mode}
+                                "inference_mode": inference_mode,
+                                "alloc_conf": (AllocatorConfig.from_environment()
+                                               if alloc_conf is None
+                                               else AllocatorConfig.parse(alloc_conf))}
     if stack is not None or torch_version is not None or cuda_version is not None:
         from batchfit.engine.stack import Stack
 
@@ -323,7 +332,7 @@ def estimate_cmd(
     overhead: Optional[str] = OverheadOpt, model_kwargs: Optional[list[str]] = KwargsOpt,
     stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
     cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
-    inference_mode: bool = InfModeOpt,
+    inference_mode: bool = InfModeOpt, alloc_conf: Optional[str] = AllocConfOpt,
     lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
@@ -352,7 +361,7 @@ def estimate_cmd(
                                         "--world-size")
             real = load_snapshot(snapshot)
         settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
-                                   inference_mode)
+                                   inference_mode, alloc_conf)
         if memory is not None and not gpu:
             raise InvalidInputError(
                 "estimate --memory goes with --gpu NAME, as that card's memory; an estimate "
@@ -410,7 +419,7 @@ def max_cmd(
         help="token models: fix the batch and find the longest --seq-len that fits"),
     stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
     cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
-    inference_mode: bool = InfModeOpt,
+    inference_mode: bool = InfModeOpt, alloc_conf: Optional[str] = AllocConfOpt,
     lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
@@ -438,7 +447,7 @@ def max_cmd(
             raise InvalidInputError("--max-batch-limit must be positive")
         _check_plot(plot)
         settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
-                                   inference_mode)
+                                   inference_mode, alloc_conf)
         profile, memory_bytes = _resolve_device(gpu, device, memory, overhead, need_budget=True)
         if "stack" in settings:  # the stack's context must leave room (checked before tracing)
             profile.for_stack(settings["stack"])

@@ -157,11 +157,19 @@ def render_estimate(est: Any) -> Group:
     lines.append(Text(est.explain(), style="italic"))
     if getattr(est, "host_backed_bytes", 0):
         lines.append(Text(host_backed_note(est.host_backed_bytes), style="cyan"))
+    lines.extend(allocator_lines(est.device))
     for warning in est.warnings:
         lines.append(Text(f"warning: {warning}", style="yellow"))
     if getattr(est, "snapshot_comparison", None) is not None:
         lines.extend(snapshot_lines(est.snapshot_comparison))
     return Group(*lines)
+
+
+def allocator_lines(device: Any) -> list[Text]:
+    """The allocator options the answer assumed, when they are not torch's defaults."""
+    if not device.is_cuda or str(device.allocator) == "default":
+        return []
+    return [Text(f"allocator: PYTORCH_CUDA_ALLOC_CONF={device.allocator}", style="dim")]
 
 
 def host_backed_note(nbytes: int) -> str:
@@ -206,6 +214,7 @@ def render_max_batch(result: Any, model: str) -> Group:
     if device.is_cuda and stack is not None:
         loading = "lazy" if stack.lazy_module_loading else "eager"
         lines.append(Text(f"stack: {stack.label}, {loading} module loading", style="dim"))
+    lines.extend(allocator_lines(device))
     if result.parallel is not None:
         lines.append(ranks_table(result.parallel, [(rank, f"batch {batch}", nbytes)
                                                    for rank, batch, nbytes in result.ranks],

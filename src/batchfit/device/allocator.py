@@ -26,6 +26,14 @@ default ``PYTORCH_CUDA_ALLOC_CONF``:
   segment to the driver and the allocation is retried once before the OOM error.
   (``release_available_cached_blocks``, tried first in the source, does nothing unless
   ``max_split_size_mb`` is set.)
+
+The options of ``PYTORCH_CUDA_ALLOC_CONF`` that change these rules are an
+:class:`AllocatorConfig` (c10/cuda/CUDAAllocatorConfig.cpp parses them):
+``max_split_size_mb`` (the oversize rules of ``get_free_block`` and ``should_split``, and
+``release_available_cached_blocks``), ``max_non_split_rounding_mb``,
+``roundup_power2_divisions`` (``round_size``) and ``expandable_segments`` (another model:
+:mod:`batchfit.device.expandable`). :meth:`AllocatorConfig.from_environment` reads them as
+the user's torch would.
 * ``NativeCachingAllocator::allocate``: a 0-byte request never reaches the allocator (it
   returns a null pointer), so it costs nothing, although ``round_size(0)`` is 512.
 
@@ -37,9 +45,9 @@ Example:
 
 Known limitations:
     * One device, one stream: no per-stream pools, ``record_stream`` events or deferred frees.
-    * Default configuration only: no ``expandable_segments``, ``max_split_size_mb`` (so no
-      oversize-block rules), ``roundup_power2_divisions``, ``garbage_collection_threshold``
-      or ``set_per_process_memory_fraction``.
+    * No ``set_per_process_memory_fraction`` (and so no ``garbage_collection_threshold``,
+      which acts only under a fraction), no per-size ``roundup_power2_divisions`` lists,
+      no ``backend:cudaMallocAsync``.
     * No CUDA graph private pools, no ``PYTORCH_NO_CUDA_MEMORY_CACHING``.
     * Addresses are synthetic (each new segment above the last), so ties between equal-sized
       free blocks, which the source breaks by device address, may resolve differently from
@@ -51,7 +59,7 @@ Known limitations:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -68,11 +76,15 @@ NULL_HANDLE = 0
 """The handle of a 0-byte allocation, like the null pointer torch returns; freeing it is a no-op."""
 
 
-def round_size(nbytes: int) -> int:
+def round_size(nbytes: int, roundup_power2_divisions: int = 0) -> int:
     """The block size the allocator uses for a request of ``nbytes``.
 
     Args:
         nbytes: requested bytes, >= 0.
+        roundup_power2_divisions: ``PYTORCH_CUDA_ALLOC_CONF``'s option (0: unset). With
+            N > 1 a request above ``512 * N`` B that is not a power of two rounds up to the
+            next of N equal steps between the powers of two around it (the source's
+            ``roundup_power2_next_division``: step = ``PowerOf2Floor(size) / N``).
 
     Returns:
         ``nbytes`` rounded up to a multiple of 512, and at least 512 (as in the source's
@@ -81,10 +93,18 @@ def round_size(nbytes: int) -> int:
     Example:
         >>> round_size(1), round_size(512), round_size(513)
         (512, 512, 1024)
+        >>> round_size(1200 * 2**20, roundup_power2_divisions=4) // 2**20  # 1024 + 256 steps
+        1280
     """
     _check_nbytes(nbytes)
     if nbytes < MIN_BLOCK_BYTES:
         return MIN_BLOCK_BYTES
+    divisions = roundup_power2_divisions
+    if divisions > 1 and nbytes > MIN_BLOCK_BYTES * divisions:
+        if nbytes & (nbytes - 1) == 0:
+            return nbytes
+        step = (1 << (nbytes.bit_length() - 1)) // divisions
+        return -(-nbytes // step) * step
     return -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
 
 
@@ -117,6 +137,173 @@ def _check_nbytes(nbytes: Any) -> None:
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
+
+
+#: Options torch accepts that change nothing this model counts: host (pinned) memory,
+#: locking, CUDA graphs; ``garbage_collection_threshold`` acts only under
+#: ``torch.cuda.set_per_process_memory_fraction`` (``get_free_block`` and ``malloc`` test
+#: ``set_fraction && garbage_collection_threshold() > 0``), which batchfit does not model.
+_NO_EFFECT_OPTIONS = frozenset({
+    "garbage_collection_threshold", "release_lock_on_cudamalloc",
+    "pinned_use_cuda_host_register", "pinned_num_register_threads",
+    "pinned_use_background_threads", "graph_capture_record_stream_reuse",
+    "pinned_reserve_segment_size_mb"})
+#: The modelled options and the :class:`AllocatorConfig` fields they set.
+_FIELDS = {"max_split_size_mb": "max_split_size_bytes",
+           "max_non_split_rounding_mb": "max_non_split_rounding_bytes",
+           "roundup_power2_divisions": "roundup_power2_divisions",
+           "expandable_segments": "expandable_segments"}
+#: The environment variables torch reads its options from: the CUDA name first (torch 2.9.1
+#: still ignores ``expandable_segments`` under the new name, pytorch/pytorch#183387).
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The ``PYTORCH_CUDA_ALLOC_CONF`` options that change what the allocator reserves.
+
+    Parsed as c10/cuda/CUDAAllocatorConfig.cpp does (``parseArgs``): ``key:value`` pairs
+    separated by commas.
+
+    Attributes:
+        max_split_size_bytes: ``max_split_size_mb`` (None: unset, torch's default). Blocks
+            of at least this size are never split; a smaller request is never served
+            from one, a larger one only from a block less than
+            ``max_non_split_rounding_bytes`` bigger (``get_free_block``); when cudaMalloc
+            fails, such blocks are freed first (``release_available_cached_blocks``).
+        max_non_split_rounding_bytes: ``max_non_split_rounding_mb`` (default 20 MiB,
+            ``kLargeBuffer``).
+        roundup_power2_divisions: ``roundup_power2_divisions`` as one number (0: unset;
+            see :func:`round_size`).
+        expandable_segments: ``expandable_segments:True``
+            (:class:`batchfit.device.expandable.ExpandableAllocator`).
+
+    Example:
+        >>> AllocatorConfig.parse("max_split_size_mb:128,expandable_segments:False")
+        AllocatorConfig(max_split_size_bytes=134217728, max_non_split_rounding_bytes=20971520, roundup_power2_divisions=0, expandable_segments=False)
+    """
+
+    max_split_size_bytes: int | None = None
+    max_non_split_rounding_bytes: int = LARGE_BUFFER_BYTES
+    roundup_power2_divisions: int = 0
+    expandable_segments: bool = False
+
+    @classmethod
+    def parse(cls, text: str | None) -> AllocatorConfig:
+        """The options of one ``PYTORCH_CUDA_ALLOC_CONF`` string ("" or None: defaults).
+
+        Raises:
+            InvalidInputError: an unknown option, a malformed value, a value torch refuses
+                (``max_split_size_mb`` <= 20, divisions not a power of two), or an option
+                that changes memory in a way batchfit does not model (``backend:cudaMallocAsync``,
+                per-size ``roundup_power2_divisions`` lists).
+        """
+        values: dict[str, object] = {}
+        for item in filter(None, (part.strip() for part in (text or "").split(","))):
+            key, sep, value = (x.strip() for x in item.partition(":"))
+            if not sep or not value:
+                raise InvalidInputError(f"allocator option {item!r} has no value: write key:value, "
+                                        "e.g. expandable_segments:True")
+            value_of_field = _option_value(key, value)
+            if key in _FIELDS:
+                values[_FIELDS[key]] = value_of_field
+        return cls(**values)  # type: ignore[arg-type]
+
+    @classmethod
+    def resolve(cls, value: AllocatorConfig | str | None) -> AllocatorConfig:
+        """A config from ``TrainConfig.alloc_conf``: itself, its text, or (None) the
+        environment's."""
+        if isinstance(value, AllocatorConfig):
+            return value
+        if value is None:
+            return cls.from_environment()
+        if not isinstance(value, str):
+            raise InvalidInputError(f"alloc_conf must be PYTORCH_CUDA_ALLOC_CONF text or an "
+                                    f"AllocatorConfig, not {value!r}")
+        return cls.parse(value)
+
+    @classmethod
+    def from_environment(cls, environ: Any = None) -> AllocatorConfig:
+        """The options this process's torch would read (:data:`ALLOC_CONF_VARIABLES`)."""
+        import os
+
+        env = os.environ if environ is None else environ
+        for name in ALLOC_CONF_VARIABLES:
+            if env.get(name):
+                try:
+                    return cls.parse(env[name])
+                except InvalidInputError as exc:
+                    raise InvalidInputError(f"{name}: {exc}") from exc
+        return cls()
+
+    def __str__(self) -> str:
+        parts = []
+        if self.max_split_size_bytes is not None:
+            parts.append(f"max_split_size_mb:{self.max_split_size_bytes >> 20}")
+        if self.max_non_split_rounding_bytes != LARGE_BUFFER_BYTES:
+            parts.append(f"max_non_split_rounding_mb:{self.max_non_split_rounding_bytes >> 20}")
+        if self.roundup_power2_divisions:
+            parts.append(f"roundup_power2_divisions:{self.roundup_power2_divisions}")
+        if self.expandable_segments:
+            parts.append("expandable_segments:True")
+        return ",".join(parts) or "default"
+
+    def new_allocator(self, capacity_bytes: int | None = None) -> Any:
+        """An empty allocator model with these options and ``capacity_bytes``."""
+        if self.expandable_segments:
+            from batchfit.device.expandable import ExpandableAllocator
+
+            return ExpandableAllocator(
+                capacity_bytes, round_size=self.round_size,
+                max_split_size_bytes=self.max_split_size_bytes,
+                max_non_split_rounding_bytes=self.max_non_split_rounding_bytes)
+        return CachingAllocator(capacity_bytes, config=self)
+
+    def round_size(self, nbytes: int) -> int:
+        """:func:`round_size` with these options."""
+        return round_size(nbytes, self.roundup_power2_divisions)
+
+
+def _option_value(key: str, value: str) -> object:
+    """One option's value, checked as ``CUDAAllocatorConfig::parseArgs`` checks it."""
+    if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
+        megabytes = _integer(key, value)
+        if key == "max_split_size_mb" and megabytes <= LARGE_BUFFER_BYTES >> 20:
+            raise InvalidInputError(f"max_split_size_mb must be > {LARGE_BUFFER_BYTES >> 20} "
+                                    f"(torch refuses {megabytes})")
+        return megabytes << 20
+    if key == "roundup_power2_divisions":
+        if value.startswith("["):
+            raise InvalidInputError("roundup_power2_divisions as a per-size list is not modelled: "
+                                    "give one number, e.g. roundup_power2_divisions:4")
+        divisions = _integer(key, value)
+        if divisions & (divisions - 1) or divisions == 0:
+            raise InvalidInputError(f"roundup_power2_divisions must be a power of 2, got {divisions}")
+        return divisions
+    if key == "expandable_segments":
+        if value not in ("True", "False"):
+            raise InvalidInputError(f"expandable_segments must be True or False, got {value!r}")
+        return value == "True"
+    if key == "backend":
+        if value != "native":
+            raise InvalidInputError(f"backend:{value} is not modelled (batchfit models torch's "
+                                    "native caching allocator): drop the option or use backend:native")
+        return None
+    if key in _NO_EFFECT_OPTIONS:
+        return None
+    raise InvalidInputError(f"unknown allocator option {key!r}: batchfit knows max_split_size_mb, "
+                            "max_non_split_rounding_mb, roundup_power2_divisions, "
+                            "expandable_segments, backend and torch's host/locking options")
+
+
+def _integer(key: str, value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise InvalidInputError(f"{key} must be a whole number, got {value!r}") from None
+    if number < 0:
+        raise InvalidInputError(f"{key} must not be negative, got {number}")
+    return number
 
 
 class AllocatorOutOfMemory(BatchfitError):
@@ -253,10 +440,12 @@ class _FreePool:
         del self._keys[bisect.bisect_left(self._keys, key)]
         del self._blocks[block.address]
 
-    def take_best_fit(self, size: int) -> _Block | None:
+    def take_best_fit(self, size: int,
+                      refused: Callable[[int, int], bool] | None = None) -> _Block | None:
+        """The smallest free block of at least ``size`` (None if ``refused(its size, size)``)."""
         # (size, -1) sorts before every key of that size, so this is lower_bound on size.
         i = bisect.bisect_left(self._keys, (size, -1))
-        if i == len(self._keys):
+        if i == len(self._keys) or (refused is not None and refused(self._keys[i][0], size)):
             return None
         return self._blocks.pop(self._keys.pop(i)[1])
 
@@ -268,7 +457,35 @@ class _FreePool:
         return self._blocks.values()
 
 
-class CachingAllocator:
+class _LiveBlocks:
+    """What both allocator models keep the same way: live blocks by handle (their
+    address) and the allocated/requested counters (``torch.cuda.memory_stats``)."""
+
+    _live: dict[int, Any]
+    allocated_bytes: int
+    requested_bytes: int
+    peak_allocated_bytes: int
+
+    def _hand_out(self, block: Any, nbytes: int) -> int:
+        block.allocated, block.requested = True, nbytes
+        self._live[block.address] = block
+        self.allocated_bytes += block.size
+        self.requested_bytes += nbytes
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        return block.address
+
+    def _take_back(self, handle: int) -> Any:
+        block = self._live.pop(handle, None)
+        if block is None:
+            raise InvalidInputError(f"handle {handle} is not a live allocation")
+        block.allocated = False
+        self.allocated_bytes -= block.size
+        self.requested_bytes -= block.requested
+        block.requested = 0
+        return block
+
+
+class CachingAllocator(_LiveBlocks):
     """A one-stream, default-configuration model of torch's ``DeviceCachingAllocator``.
 
     Args:
@@ -294,10 +511,13 @@ class CachingAllocator:
         0
     """
 
-    def __init__(self, capacity_bytes: int | None = None):
+    def __init__(self, capacity_bytes: int | None = None,
+                 config: AllocatorConfig | None = None):
         if capacity_bytes is not None:
             _check_nbytes(capacity_bytes)
         self.capacity_bytes = capacity_bytes
+        self.config = config or AllocatorConfig()
+        self._max_split = self.config.max_split_size_bytes or float("inf")
         self.allocated_bytes = 0
         self.reserved_bytes = 0
         self.requested_bytes = 0
@@ -325,21 +545,15 @@ class CachingAllocator:
         _check_nbytes(nbytes)
         if nbytes == 0:
             return NULL_HANDLE
-        size = round_size(nbytes)
+        size = round_size(nbytes, self.config.roundup_power2_divisions)
         small = size <= SMALL_SIZE_BYTES
         pool = self._small_pool if small else self._large_pool
-        block = pool.take_best_fit(size)
+        block = pool.take_best_fit(size, self._oversize_refused)
         if block is None:
             block = self._alloc_segment(nbytes, size, small)
         if self._should_split(block, size):
             block = self._split(block, size, pool)
-        block.allocated = True
-        block.requested = nbytes
-        self._live[block.address] = block
-        self.allocated_bytes += block.size
-        self.requested_bytes += nbytes
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
-        return block.address
+        return self._hand_out(block, nbytes)
 
     def free(self, handle: int) -> None:
         """Return an allocation to the cache; its segment stays reserved.
@@ -349,13 +563,7 @@ class CachingAllocator:
         """
         if handle == NULL_HANDLE:
             return
-        block = self._live.pop(handle, None)
-        if block is None:
-            raise InvalidInputError(f"handle {handle} is not a live allocation")
-        block.allocated = False
-        self.allocated_bytes -= block.size
-        self.requested_bytes -= block.requested
-        block.requested = 0
+        block = self._take_back(handle)
         pool = self._small_pool if block.small else self._large_pool
         prev, nxt = block.prev, block.next
         if prev is not None and not prev.allocated:
@@ -377,10 +585,7 @@ class CachingAllocator:
         """Release every segment with no live block, as ``torch.cuda.empty_cache()`` does."""
         for pool in (self._large_pool, self._small_pool):
             for block in pool.whole_segments():
-                pool.remove(block)
-                self.reserved_bytes -= block.size
-                self._segment_count -= 1
-                self._cuda_free_count += 1
+                self._release(pool, block)
 
     def stats(self) -> AllocatorStats:
         """A frozen snapshot of the counters."""
@@ -424,6 +629,9 @@ class CachingAllocator:
         # The source fails only when the total would be strictly over the limit.
         if capacity is None or self.reserved_bytes + seg_bytes <= capacity:
             return self._new_segment(seg_bytes, small)
+        if (self._release_oversize_blocks(size, small)
+                and self.reserved_bytes + seg_bytes <= capacity):
+            return self._new_segment(seg_bytes, small)
         self.empty_cache()
         self._alloc_retry_count += 1
         if self.reserved_bytes + seg_bytes <= capacity:
@@ -441,13 +649,50 @@ class CachingAllocator:
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
         return block
 
-    @staticmethod
-    def _should_split(block: _Block, size: int) -> bool:
+    def _should_split(self, block: _Block, size: int) -> bool:
         remaining = block.size - size
         if block.small:
             return remaining >= MIN_BLOCK_BYTES
-        # Large blocks keep small slivers attached rather than fragment the large pool.
-        return remaining > SMALL_SIZE_BYTES
+        # Large blocks keep small slivers attached rather than fragment the large pool;
+        # with max_split_size_mb, a block handed to a request that large stays whole.
+        return size < self._max_split and remaining > SMALL_SIZE_BYTES
+
+    def _oversize_refused(self, block_size: int, size: int) -> bool:
+        """``get_free_block``'s rules for ``max_split_size_mb``: the best fit is refused
+        (no other block is tried) when it is oversize and the request is not, or when
+        the request is oversize and the block exceeds it by the rounding allowance."""
+        if size < self._max_split:
+            return block_size >= self._max_split
+        return block_size >= size + self.config.max_non_split_rounding_bytes
+
+    def _release_oversize_blocks(self, size: int, small: bool) -> bool:
+        """``release_available_cached_blocks``: with ``max_split_size_mb``, before
+        releasing the whole cache, cudaFree the smallest cached oversize segment that
+        covers the request (at least ``max_split_size``), else oversize segments from the
+        largest down until they add up to that; False when that is not enough."""
+        if self.config.max_split_size_bytes is None:
+            return False
+        pool = self._small_pool if small else self._large_pool
+        wanted = max(size, self.config.max_split_size_bytes)
+        oversize = sorted((b for b in pool.whole_segments() if b.size >= self._max_split),
+                          key=lambda b: (b.size, b.address))
+        covering = [b for b in oversize if b.size >= wanted]
+        if covering:
+            self._release(pool, covering[0])
+            return True
+        released = 0
+        for block in reversed(oversize):
+            if released >= wanted:
+                break
+            self._release(pool, block)
+            released += block.size
+        return released >= wanted
+
+    def _release(self, pool: _FreePool, block: _Block) -> None:
+        pool.remove(block)
+        self.reserved_bytes -= block.size
+        self._segment_count -= 1
+        self._cuda_free_count += 1
 
     @staticmethod
     def _split(block: _Block, size: int, pool: _FreePool) -> _Block:

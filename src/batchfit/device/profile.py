@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from batchfit.device.allocator import AllocatorConfig
 from batchfit.errors import InvalidInputError, MemoryBelowOverheadError
 
 MiB = 1 << 20
@@ -66,6 +67,9 @@ class DeviceProfile:
             as a live-storage tracker sees them.
         unified_memory: the GPU shares ``total_memory_bytes`` with the CPU and the OS
             (Jetson); batchfit's answer then assumes all of it is free for CUDA.
+        allocator: the caching allocator's ``PYTORCH_CUDA_ALLOC_CONF`` options
+            (:class:`~batchfit.device.allocator.AllocatorConfig`; torch's defaults unless
+            set with :meth:`with_allocator`).
     """
 
     kind: DeviceKind = DeviceKind.CPU
@@ -81,6 +85,7 @@ class DeviceProfile:
     context_from_stack: bool = field(default=False, compare=False)
     nccl_bytes: int = 0
     kernel_scratch: bool = True
+    allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
 
     @property
     def is_cuda(self) -> bool:
@@ -144,6 +149,13 @@ class DeviceProfile:
         _check_room_for_overheads(profile)  # e.g. --memory 1GiB with an eager-loading CUDA 11
         return profile
 
+    def with_allocator(self, allocator: AllocatorConfig) -> "DeviceProfile":
+        """This profile with the caching allocator configured as ``allocator`` (CUDA only:
+        the CPU has no caching allocator)."""
+        if not self.is_cuda or allocator == self.allocator:
+            return self
+        return replace(self, allocator=allocator)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind.value, "name": self.name,
@@ -151,7 +163,7 @@ class DeviceProfile:
             "compute_capability": list(self.compute_capability) if self.compute_capability else None,
             "context_bytes": self.context_bytes, "workspace_bytes": self.workspace_bytes,
             "sm_count": self.sm_count, "nccl_bytes": self.nccl_bytes,
-            "unified_memory": self.unified_memory,
+            "unified_memory": self.unified_memory, "allocator": str(self.allocator),
         }
 
 

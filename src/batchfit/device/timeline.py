@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from batchfit.device.allocator import AllocatorOutOfMemory, CachingAllocator
+from batchfit.device.allocator import AllocatorOutOfMemory
 from batchfit.device.profile import DeviceProfile
 from batchfit.engine.trace import alive_at_end
 from batchfit.engine.tracer import Category, Event, EventKind, Phase
@@ -128,13 +128,13 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10,
     skipped: set[int] = set()  # fallible workspaces the replay at the needed capacity skips
     if device.is_cuda:
         looped, mapping = loop_events(events) if loop else (list(events), range(len(events)))
-        needed, unlimited = _least_capacity(looped, device.workspace_bytes)
+        needed, unlimited = _least_capacity(looped, device)
         allocated, reserved = unlimited
         # With fallible workspaces the step is described at the capacity it was solved
         # with (a workspace the unlimited replay holds may be skipped there).
         fallible = any(is_fallible(e) for e in looped)
         if needed < max(reserved) or fallible:
-            allocated, reserved = _replay_cuda(looped, device.workspace_bytes, needed,
+            allocated, reserved = _replay_cuda(looped, device, needed,
                                                None if loop else skipped)
         peak_reserved = max(reserved)
         reserved = [reserved[i] for i in mapping]
@@ -143,7 +143,7 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10,
             # step can be handed cached blocks whole (unsplit), which moves its allocated
             # peak to another op although the same tensors are alive. The step alone is
             # the loop's first part, so it runs within ``needed`` too.
-            allocated = _replay_cuda(events, device.workspace_bytes, needed if fallible else None,
+            allocated = _replay_cuda(events, device, needed if fallible else None,
                                      skipped)[0]
         reserved[max(range(len(reserved)), key=reserved.__getitem__)] = peak_reserved
     else:
@@ -180,7 +180,7 @@ def needed_bytes(events: Sequence[Event], device: DeviceProfile, loop: bool = Tr
         return max(_replay_cpu(events))
     if loop:
         events = loop_events(events)[0]
-    return _least_capacity(events, device.workspace_bytes)[0]
+    return _least_capacity(events, device)[0]
 
 
 def fits_within(events: Sequence[Event], device: DeviceProfile, limit_bytes: int) -> bool:
@@ -191,7 +191,7 @@ def fits_within(events: Sequence[Event], device: DeviceProfile, limit_bytes: int
     if not device.is_cuda:
         return peak_live_bytes(events) <= limit_bytes
     capacity = limit_bytes // _SEGMENT_UNIT * _SEGMENT_UNIT
-    return capacity > 0 and _fits(loop_events(events)[0], device.workspace_bytes, capacity)
+    return capacity > 0 and _fits(loop_events(events)[0], device, capacity)
 
 
 def is_fallible(event: Event) -> bool:
@@ -225,27 +225,27 @@ def _replay_cpu(events: Sequence[Event]) -> list[int]:
     return allocated
 
 
-def _least_capacity(events: Sequence[Event], workspace_bytes: int
+def _least_capacity(events: Sequence[Event], device: DeviceProfile
                     ) -> tuple[int, tuple[list[int], list[int]]]:
     """The least capacity the (already looped) replay fits in, and the unlimited replay's
     allocated and reserved bytes. The one rule both :func:`needed_bytes` (what a solver
     solves with) and :func:`replay_events` (the breakdown) use, so that they agree."""
-    allocated, reserved = _replay_cuda(events, workspace_bytes, None)
+    allocated, reserved = _replay_cuda(events, device, None)
     if not any(is_fallible(e) for e in events):
-        needed = _smallest_capacity(events, workspace_bytes, max(allocated), max(reserved))
+        needed = _smallest_capacity(events, device, max(allocated), max(reserved))
     else:
-        needed = _smallest_capacity_fallible(events, workspace_bytes, max(reserved))
+        needed = _smallest_capacity_fallible(events, device, max(reserved))
     return needed, (allocated, reserved)
 
 
-def _replay_cuda(events: Sequence[Event], workspace_bytes: int, capacity: int | None,
+def _replay_cuda(events: Sequence[Event], device: DeviceProfile, capacity: int | None,
                  skipped: set[int] | None = None) -> tuple[list[int], list[int]]:
     """Allocated and reserved bytes after each event; raises AllocatorOutOfMemory. The
     keys of fallible allocations that did not fit are added to ``skipped``."""
-    allocator = CachingAllocator(capacity)
+    allocator = device.allocator.new_allocator(capacity)
     handles: dict[int, int] = {}
-    if workspace_bytes:
-        handles[_WORKSPACE_KEY] = allocator.malloc(workspace_bytes)
+    if device.workspace_bytes:
+        handles[_WORKSPACE_KEY] = allocator.malloc(device.workspace_bytes)
     allocated: list[int] = []
     reserved: list[int] = []
     for event in events:
@@ -266,20 +266,20 @@ def _replay_cuda(events: Sequence[Event], workspace_bytes: int, capacity: int | 
     return allocated, reserved
 
 
-def _smallest_capacity(events: Sequence[Event], workspace_bytes: int, low: int, high: int) -> int:
+def _smallest_capacity(events: Sequence[Event], device: DeviceProfile, low: int, high: int) -> int:
     """The least capacity (a multiple of 2 MiB, like every segment) the replay fits in."""
     unit = _SEGMENT_UNIT
     lo, hi = -(-low // unit) - 1, high // unit  # lo fails (or is below allocated), hi fits
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _fits(events, workspace_bytes, mid * unit):
+        if _fits(events, device, mid * unit):
             hi = mid
         else:
             lo = mid
     return hi * unit
 
 
-def _smallest_capacity_fallible(events: Sequence[Event], workspace_bytes: int, high: int) -> int:
+def _smallest_capacity_fallible(events: Sequence[Event], device: DeviceProfile, high: int) -> int:
     """The least capacity above which the replay fits, with fallible workspaces.
 
     Fitting is not monotone in the capacity then: with more room a workspace is
@@ -292,28 +292,28 @@ def _smallest_capacity_fallible(events: Sequence[Event], workspace_bytes: int, h
     """
     unit = _SEGMENT_UNIT
     low = peak_live_bytes([e for e in events if not is_fallible(e)])  # fails below this
-    needed = _smallest_capacity(events, workspace_bytes, low, high)
+    needed = _smallest_capacity(events, device, low, high)
     while True:
         failing = None
         step = unit
         while needed + step < high:
-            if not _fits(events, workspace_bytes, needed + step):
+            if not _fits(events, device, needed + step):
                 failing = needed + step
             step *= 2
         if failing is None:
             return needed
-        needed = _smallest_capacity(events, workspace_bytes, failing + 1, high)
+        needed = _smallest_capacity(events, device, failing + 1, high)
 
 
-def _fits(events: Sequence[Event], workspace_bytes: int, capacity: int) -> bool:
+def _fits(events: Sequence[Event], device: DeviceProfile, capacity: int) -> bool:
     """Whether the replay runs within ``capacity`` (no timeline kept: the hot loop)."""
-    allocator = CachingAllocator(capacity)
+    allocator = device.allocator.new_allocator(capacity)
     malloc, free = allocator.malloc, allocator.free
     handles: dict[int, int] = {}
     alloc_kind, free_kind = EventKind.ALLOC, EventKind.FREE
     try:
-        if workspace_bytes:
-            malloc(workspace_bytes)
+        if device.workspace_bytes:
+            malloc(device.workspace_bytes)
         for event in events:
             if event.kind is alloc_kind:
                 try:
@@ -335,14 +335,13 @@ def _held_at(events: Sequence[Event], index: int, device: DeviceProfile,
              ) -> tuple[dict[Category, int], dict[str, int]]:
     """Live bytes by category and by module (activations and temporaries) after ``index``,
     leaving out the ``skipped`` fallible workspaces (never allocated)."""
-    from batchfit.device.allocator import round_size
-
     by_category: dict[Category, int] = {}
     modules: dict[str, int] = {}
     for event in alive_at_end(events[: index + 1]):
         if event.key in skipped:
             continue
-        size = round_size(event.nbytes) if device.is_cuda and event.nbytes else event.nbytes
+        size = (device.allocator.round_size(event.nbytes) if device.is_cuda and event.nbytes
+                else event.nbytes)
         category = event.category
         by_category[category] = by_category.get(category, 0) + size
         if category in (Category.ACTIVATIONS, Category.TEMPORARIES, Category.AUTOCAST_COPIES):

@@ -264,6 +264,10 @@ class TrainConfig:
         stack: the torch/CUDA/cuDNN versions the step runs on: a
             :class:`~batchfit.engine.stack.Stack`, a string like ``"torch2.4+cu124"``, or
             None for the installed torch (see :mod:`batchfit.engine.stack`).
+        alloc_conf: the caching allocator's options, as ``PYTORCH_CUDA_ALLOC_CONF`` text
+            (``"expandable_segments:True"``) or a
+            :class:`~batchfit.device.allocator.AllocatorConfig`; None (default): what this
+            process's environment sets, as the user's torch would read it (CUDA targets).
         cudnn_benchmark: ``torch.backends.cudnn.benchmark = True`` in the user's script
             (default False, as in torch): convolutions search for the fastest cuDNN
             algorithm and keep it per shape; see :mod:`batchfit.engine.cudnn`.
@@ -305,6 +309,7 @@ class TrainConfig:
     packing: bool = False
     transformers_version: Any = None
     inference_mode: bool = False
+    alloc_conf: Any = None
 
     def __post_init__(self) -> None:
         from batchfit.engine.workloads.spec import LoraSpec, LossKind, QuantSpec, parse_lora
