@@ -414,7 +414,8 @@ def test_stack_sets_the_context_in_json(factory_file):
     assert json.loads(old.output)["stack"]["torch_version"] == "1.12"
 
 
-def test_alloc_conf_from_the_option_and_from_the_environment(factory_file, monkeypatch):
+def test_alloc_conf_from_the_option_and_from_the_environment(factory_file, monkeypatch,
+                                                             tmp_path):
     # The answer states the allocator options it assumed; --alloc-conf wins over the
     # shell's PYTORCH_CUDA_ALLOC_CONF, which is read when the option is left out.
     args = ("max", f"{factory_file}:with_spec", "--gpu", "T4", "--max-batch-limit", "64",
@@ -429,6 +430,18 @@ def test_alloc_conf_from_the_option_and_from_the_environment(factory_file, monke
     assert from_env["device"]["allocator"] == "expandable_segments:True"
     human = invoke("max", f"{factory_file}:with_spec", "--gpu", "T4", "--max-batch-limit", "64")
     assert "allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in human.output
+    # estimate --snapshot: the recorded process's options, over the shell's
+    import pickle
+
+    snapshot = tmp_path / "step.pickle"
+    trace = [{"action": "alloc", "addr": 0, "size": 4 << 20, "frames": []},
+             {"action": "free_completed", "addr": 0, "size": 4 << 20, "frames": []}]
+    snapshot.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace],
+                                       "allocator_settings": {"max_split_size": 64 << 20}}))
+    recorded = invoke("estimate", f"{factory_file}:with_spec", "-b", "8", "--gpu", "T4",
+                      "--snapshot", str(snapshot), "--json")
+    assert recorded.exit_code == 0, recorded.output
+    assert json.loads(recorded.stdout)["device"]["allocator"] == "max_split_size_mb:64"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segment:True")
     bad = invoke(*args)
     assert bad.exit_code == 2 and "PYTORCH_CUDA_ALLOC_CONF: unknown allocator option" in bad.output

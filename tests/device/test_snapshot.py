@@ -166,3 +166,52 @@ def test_the_gpu_script_records_a_step_and_compares_it(tmp_path):
     cmp = data["snapshot_comparison"]
     assert cmp["real_allocations"] > 0 and cmp["predicted_allocations"] > 0
     assert cmp["oom_count"] == 0
+
+
+# --- the allocator options the recorded process ran with ------------------------------
+# torch/csrc/cuda/Module.cpp writes them as "allocator_settings": expandable_segments (a
+# bool), max_split_size (size_t through int64_t: unset SIZE_MAX reads -1),
+# roundup_power2_divisions (one entry per power-of-two size interval).
+
+def _settings(**settings) -> dict:
+    return {"segments": [], "device_traces": [[]], "allocator_settings": settings}
+
+
+def test_the_snapshots_allocator_options_are_read():
+    from batchfit.device.allocator import AllocatorConfig
+    from batchfit.device.snapshot import allocator_config_of
+
+    intervals = {str(1 << i): 4 for i in range(8)}
+    assert allocator_config_of({"segments": [], "device_traces": []}) is None  # older torch
+    assert allocator_config_of(_settings(expandable_segments=False, max_split_size=-1,
+                                         roundup_power2_divisions={"1": 0})) == AllocatorConfig()
+    assert allocator_config_of(_settings(
+        expandable_segments=True, max_split_size=128 * MIB, roundup_power2_divisions=intervals)
+    ) == AllocatorConfig(max_split_size_bytes=128 * MIB, roundup_power2_divisions=4,
+                         expandable_segments=True)
+    with pytest.raises(InvalidInputError, match="per-size"):
+        allocator_config_of(_settings(roundup_power2_divisions={"1": 1, "2": 8}))
+
+
+def test_an_estimate_against_a_snapshot_replays_with_its_allocator_options():
+    # The snapshot ran with expandable segments; left to itself the estimate takes them,
+    # an explicit option wins. Linear 1024 -> 3072 at batch 1024: weight 12 MiB, input
+    # 4 MiB, output 12 MiB, after the T4's 16.25 MiB cuBLAS workspaces. Default: segments
+    # of 18 (16.25 rounded to 2 MiB), 12 and 20 (the input, below 10 MiB; the output is
+    # split from its free 16 MiB) = 50 MiB. Expandable, 20 MiB pages filled in address
+    # order: 16.25 + 12 + 4 + 12 = 44.25 MiB in 3 pages = 60 MiB.
+    import batchfit
+
+    snapshot = _settings(expandable_segments=True, max_split_size=-1)
+    snapshot["device_traces"] = [[alloc(0, 12 * MIB), free(0, 12 * MIB)]]
+
+    def model():
+        return torch.nn.Linear(1024, 3 * 1024, bias=False)
+
+    taken = batchfit.estimate(model, (1024,), 1024, mode="infer", device="T4",
+                              snapshot=snapshot)
+    given = batchfit.estimate(model, (1024,), 1024, mode="infer", device="T4",
+                              snapshot=snapshot, alloc_conf="")
+    assert taken.device.allocator.expandable_segments
+    assert not given.device.allocator.expandable_segments
+    assert (given.peak_reserved_bytes, taken.peak_reserved_bytes) == (50 * MIB, 60 * MIB)

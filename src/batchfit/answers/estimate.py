@@ -17,7 +17,7 @@ from torch import nn
 
 from batchfit.device.allocator import AllocatorConfig
 from batchfit.device.profile import DeviceProfile, resolve_device
-from batchfit.device.snapshot import SnapshotComparison, compare_step
+from batchfit.device.snapshot import SnapshotComparison, allocator_config_of, compare_step
 from batchfit.device.timeline import ModuleMemory, Timeline, needed_bytes, replay_events
 from batchfit.engine.limits import KernelLimit
 from batchfit.engine.spec import TrainConfig, make_config
@@ -134,7 +134,8 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
         first_step: also replay the first step (``first_step_peak_bytes``; None if False).
         snapshot: a real CUDA memory snapshot of this step on the target
             (:func:`batchfit.device.snapshot.load_snapshot`): the estimate then carries a
-            :class:`~batchfit.device.snapshot.SnapshotComparison` of the two.
+            :class:`~batchfit.device.snapshot.SnapshotComparison` of the two, and replays
+            with the snapshot's allocator options unless ``alloc_conf`` is given.
 
     Returns:
         A :class:`MemoryEstimate`.
@@ -146,8 +147,11 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
         4198400
     """
     config = make_config(config, options)
+    alloc_conf = config.alloc_conf
+    if alloc_conf is None and snapshot is not None:  # the options the recorded process ran with
+        alloc_conf = allocator_config_of(snapshot)
     profile = resolve_device(device).for_stack(config.resolved_stack).with_allocator(
-        AllocatorConfig.resolve(config.alloc_conf))
+        AllocatorConfig.resolve(alloc_conf))
     if snapshot is not None and not profile.is_cuda:
         raise InvalidInputError("a CUDA memory snapshot is compared with a CUDA target: "
                                 "give a GPU (--gpu NAME or --device cuda)")

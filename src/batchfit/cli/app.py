@@ -68,7 +68,8 @@ CudnnBenchOpt = typer.Option(False, "--cudnn-benchmark",
                              help="the script sets torch.backends.cudnn.benchmark = True")
 AllocConfOpt = typer.Option(None, "--alloc-conf", metavar="OPTIONS",
                             help="the training process's PYTORCH_CUDA_ALLOC_CONF, e.g. "
-                                 "expandable_segments:True (default: this shell's)")
+                                 "expandable_segments:True (default: a --snapshot's, else "
+                                 "this shell's)")
 OverheadOpt = typer.Option(
     None, "--overhead",
     help="memory outside the tensors, e.g. 600MiB: the CUDA context (GPU), or the CPU runtime's "
@@ -188,10 +189,12 @@ def _stack_settings(stack: str | None, torch_version: str | None, cuda_version: 
     (checked now: a bad version or allocator option is one line)."""
     from batchfit.device.allocator import AllocatorConfig
 
+    # None leaves the choice to the library (the shell's variable, or a --snapshot's
+    # options); a malformed variable is reported now, before any tracing.
+    AllocatorConfig.from_environment()
     settings: dict[str, Any] = {"cudnn_benchmark": cudnn_benchmark,
                                 "inference_mode": inference_mode,
-                                "alloc_conf": (AllocatorConfig.from_environment()
-                                               if alloc_conf is None
+                                "alloc_conf": (None if alloc_conf is None
                                                else AllocatorConfig.parse(alloc_conf))}
     if stack is not None or torch_version is not None or cuda_version is not None:
         from batchfit.engine.stack import Stack

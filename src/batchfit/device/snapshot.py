@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchfit.device.allocator import round_size
+from batchfit.device.allocator import AllocatorConfig
 from batchfit.engine.tracer import Event, EventKind, Phase
 from batchfit.errors import InvalidInputError
 
@@ -225,7 +225,7 @@ def read_allocations(snapshot: dict[str, Any], device: int | None = None) -> Rea
 def compare(real: RealAllocations, predicted_sizes: Sequence[int],
             predicted_labels: Sequence[str], predicted_peak_allocated_bytes: int,
             predicted_peak_reserved_bytes: int, min_bytes: int = DEFAULT_MIN_BYTES,
-            top: int = 10) -> SnapshotComparison:
+            top: int = 10, allocator: AllocatorConfig | None = None) -> SnapshotComparison:
     """Set a predicted step's allocations against the real ones (see the module docstring).
 
     Args:
@@ -235,9 +235,12 @@ def compare(real: RealAllocations, predicted_sizes: Sequence[int],
         predicted_peak_allocated_bytes / predicted_peak_reserved_bytes: the predicted peaks.
         min_bytes: leave out allocations smaller than this.
         top: keep this many size differences.
+        allocator: the options the sizes are rounded with (the snapshot's own, by default).
     """
+    rounding = (allocator or AllocatorConfig()).round_size
+
     def large(sizes: Sequence[int], labels: Sequence[str]) -> list[tuple[int, str]]:
-        return [(round_size(n), label) for n, label in zip(sizes, labels) if n >= min_bytes]
+        return [(rounding(n), label) for n, label in zip(sizes, labels) if n >= min_bytes]
 
     real_seq = large(real.sizes, real.labels)
     pred_seq = large(predicted_sizes, predicted_labels)
@@ -276,7 +279,37 @@ def compare_step(snapshot: dict[str, Any], events: Sequence[Event],
     step = [e for e in events if e.kind is EventKind.ALLOC and e.phase is not Phase.SETUP]
     return compare(read_allocations(snapshot, device), [e.nbytes for e in step],
                    [f"{e.op} {e.module}".strip() for e in step],
-                   predicted_peak_allocated_bytes, predicted_peak_reserved_bytes, min_bytes)
+                   predicted_peak_allocated_bytes, predicted_peak_reserved_bytes, min_bytes,
+                   allocator=allocator_config_of(snapshot))
+
+
+def allocator_config_of(snapshot: dict[str, Any]) -> AllocatorConfig | None:
+    """The allocator options the recorded process ran with, from the snapshot's
+    ``allocator_settings`` (torch/csrc/cuda/Module.cpp ``_memory_snapshot``:
+    ``expandable_segments``; ``max_split_size``, whose unset value ``SIZE_MAX`` reads as
+    -1 through ``int64_t``; ``roundup_power2_divisions`` per size interval), or None for a
+    snapshot without them (older torch).
+
+    Example:
+        >>> allocator_config_of({"allocator_settings": {"expandable_segments": True,
+        ...                      "max_split_size": -1}})
+        AllocatorConfig(max_split_size_bytes=None, max_non_split_rounding_bytes=20971520, roundup_power2_divisions=0, expandable_segments=True)
+    """
+    settings = snapshot.get("allocator_settings")
+    if not isinstance(settings, dict):
+        return None
+    max_split = settings.get("max_split_size")
+    per_interval = {v for v in (settings.get("roundup_power2_divisions") or {}).values()
+                    if isinstance(v, int)}
+    if len(per_interval) > 1:
+        raise InvalidInputError("the snapshot's process rounded with per-size "
+                                "roundup_power2_divisions, which batchfit does not model")
+    (divisions,) = per_interval or {0}
+    return AllocatorConfig(
+        max_split_size_bytes=(max_split if isinstance(max_split, int) and 0 < max_split < 1 << 62
+                              else None),
+        roundup_power2_divisions=divisions if divisions > 1 else 0,
+        expandable_segments=bool(settings.get("expandable_segments", False)))
 
 
 def _first_labels(seq: list[tuple[int, str]]) -> dict[int, str]:
