@@ -130,6 +130,18 @@ def segment_size(rounded: int) -> int:
     return -(-rounded // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
 
 
+def refuses_oversize(block_size: int, size: int, max_split_size_bytes: int | None,
+                     max_non_split_rounding_bytes: int = LARGE_BUFFER_BYTES) -> bool:
+    """``get_free_block``'s rules for ``max_split_size_mb`` (none when it is None): the best
+    fit is refused (no other block is tried) when it is oversize and the request is not,
+    or when the request is oversize and the block exceeds it by the rounding allowance."""
+    if max_split_size_bytes is None:
+        return False
+    if size < max_split_size_bytes:
+        return block_size >= max_split_size_bytes
+    return block_size >= size + max_non_split_rounding_bytes
+
+
 def _check_nbytes(nbytes: Any) -> None:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise InvalidInputError(f"a byte count must be an int >= 0, got {nbytes!r}")
@@ -518,6 +530,11 @@ class CachingAllocator(_LiveBlocks):
         self.capacity_bytes = capacity_bytes
         self.config = config or AllocatorConfig()
         self._max_split = self.config.max_split_size_bytes or float("inf")
+        # The best-fit search checks the oversize rules only when they exist (a hot path).
+        self._refused = None if self.config.max_split_size_bytes is None else (
+            lambda block_size, size: refuses_oversize(
+                block_size, size, self.config.max_split_size_bytes,
+                self.config.max_non_split_rounding_bytes))
         self.allocated_bytes = 0
         self.reserved_bytes = 0
         self.requested_bytes = 0
@@ -548,7 +565,7 @@ class CachingAllocator(_LiveBlocks):
         size = round_size(nbytes, self.config.roundup_power2_divisions)
         small = size <= SMALL_SIZE_BYTES
         pool = self._small_pool if small else self._large_pool
-        block = pool.take_best_fit(size, self._oversize_refused)
+        block = pool.take_best_fit(size, self._refused)
         if block is None:
             block = self._alloc_segment(nbytes, size, small)
         if self._should_split(block, size):
@@ -656,14 +673,6 @@ class CachingAllocator(_LiveBlocks):
         # Large blocks keep small slivers attached rather than fragment the large pool;
         # with max_split_size_mb, a block handed to a request that large stays whole.
         return size < self._max_split and remaining > SMALL_SIZE_BYTES
-
-    def _oversize_refused(self, block_size: int, size: int) -> bool:
-        """``get_free_block``'s rules for ``max_split_size_mb``: the best fit is refused
-        (no other block is tried) when it is oversize and the request is not, or when
-        the request is oversize and the block exceeds it by the rounding allowance."""
-        if size < self._max_split:
-            return block_size >= self._max_split
-        return block_size >= size + self.config.max_non_split_rounding_bytes
 
     def _release_oversize_blocks(self, size: int, small: bool) -> bool:
         """``release_available_cached_blocks``: with ``max_split_size_mb``, before

@@ -60,6 +60,7 @@ from batchfit.device.allocator import (
     SegmentInfo,
     _check_nbytes,
     _LiveBlocks,
+    refuses_oversize,
     round_size,
 )
 from batchfit.errors import InvalidInputError
@@ -270,10 +271,8 @@ class ExpandableAllocator(_LiveBlocks):
                                      < _expandable_size(blocks[keys[i]])):
             i += 1
         block = blocks[keys[i]]
-        max_split = self.max_split_size_bytes
-        if max_split is not None and (
-                (size < max_split <= block.size)  # no oversized block for a small request
-                or (size >= max_split and block.size >= size + self.max_non_split_rounding_bytes)):
+        if refuses_oversize(block.size, size, self.max_split_size_bytes,
+                            self.max_non_split_rounding_bytes):
             return None
         pool.free.remove(block)
         return block
