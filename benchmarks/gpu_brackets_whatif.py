@@ -1,0 +1,175 @@
+"""What-if replays of the GPU brackets: a rule changed in the allocator replay for one run.
+
+These are experiments, not the engine. Each one swaps a piece of
+``batchfit.device.timeline`` or ``batchfit.device.allocator`` in this process (the rows
+run in forked children, which inherit the swap), then runs ``gpu_brackets.py`` with the
+remaining arguments. Give the run its own ``--tag`` so that the engine's results are
+not overwritten, and ``--trace-cache`` so that only the replays run again:
+
+    cd benchmarks && python gpu_brackets_whatif.py --what-if empty-cache --steps 3 \\
+        --set I --files memory --rows-from results/gpu_brackets/s10_I120.jsonl \\
+        --tag whatif_empty3_I120 --trace-cache /some/dir
+
+What-ifs:
+
+* ``empty-cache``: torch's cuDNN benchmark mode calls ``emptyCache()`` after each
+  algorithm search, and a search runs at the first call of each convolution shape
+  (``run_single_conv`` in aten/src/ATen/native/cudnn/Conv_v8.cpp, ``findAlgorithms`` in
+  Conv_v7.cpp; ``_cudnn_set_conv_benchmark_empty_cache``, on by default). The replay
+  empties the cache before the first workspace of each size in the first step (the
+  workspace's size stands for the shape; convolutions without a modelled workspace are
+  not marked in the trace).
+* ``reverse-addresses``: each new segment gets an address below the previous ones
+  instead of above. The address only breaks ties between free blocks of equal size
+  (the source's ``BlockComparatorSize``), so this measures how much the answers depend
+  on a tie-break the real driver decides.
+* ``no-workspace``: every cuDNN workspace allocation is dropped (what benchmark mode
+  off would give, as modelled).
+
+``--steps N`` (2 by default, as the engine) replays the step N times through one
+allocator; the breakdown stays on the second step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_brackets  # noqa: E402
+
+from batchfit.device import allocator as allocator_module  # noqa: E402
+from batchfit.device import timeline  # noqa: E402
+from batchfit.device.allocator import AllocatorOutOfMemory  # noqa: E402
+from batchfit.engine.trace import alive_at_end  # noqa: E402
+from batchfit.engine.tracer import Event, EventKind, Phase  # noqa: E402
+
+WHAT_IFS = ("empty-cache", "reverse-addresses", "no-workspace")
+
+
+class _Looped(list):
+    """Looped events that know where the first step ends."""
+
+    first_step_end: int
+
+
+def _repeat_last_step(looped: list[Event], step_start: int) -> list[Event]:
+    """``looped`` plus its last step once more, with new keys (as ``loop_events`` does)."""
+    step = looped[step_start:]
+    owned = {e.key for e in step if e.kind is EventKind.ALLOC}
+    offset = 1 + max(e.key for e in looped)
+    out = list(looped)
+    out.extend(Event(EventKind.FREE, e.key, e.nbytes, e.category, e.module, "", e.phase)
+               for e in alive_at_end(step) if e.key in owned)
+    for e in step:
+        key = e.key + offset if e.key in owned else e.key
+        out.append(Event(e.kind, key, e.nbytes, e.category, e.module, e.op, e.phase))
+    return out
+
+
+def install(what_if: str | None, steps: int) -> None:
+    """Swap the replay's pieces for this process."""
+    engine_loop = timeline.loop_events
+
+    def loop_events(events: Sequence[Event]):
+        looped, mapping = engine_loop(events)
+        setup_end = next((i for i, e in enumerate(events) if e.phase is not Phase.SETUP),
+                         len(events))
+        step_len = len(events) - setup_end
+        first_step_end = len(looped) - step_len
+        for _ in range(steps - 2):
+            looped = _repeat_last_step(looped, len(looped) - step_len)
+        out = _Looped(looped)
+        out.first_step_end = first_step_end
+        return out, mapping
+
+    timeline.loop_events = loop_events
+    if what_if == "reverse-addresses":
+        engine_new_segment = allocator_module.CachingAllocator._new_segment
+
+        def _new_segment(self, nbytes: int, small: bool):
+            if not getattr(self, "_reversed", False):
+                self._reversed, self._next_address = True, 1 << 60
+            base = self._next_address - nbytes
+            self._next_address = base
+            block = engine_new_segment(self, nbytes, small)
+            self._next_address = base
+            return block
+
+        allocator_module.CachingAllocator._new_segment = _new_segment
+    if what_if in ("empty-cache", "no-workspace"):
+        _WORKSPACE_RULE["what_if"] = what_if
+        timeline._fits = _fits
+        timeline._replay_cuda = _replay_cuda
+
+
+#: which workspace rule ``_run`` applies ("empty-cache" or "no-workspace")
+_WORKSPACE_RULE = {"what_if": ""}
+
+
+def _run(events, device, capacity, record=None, skipped=None) -> None:
+    """The replay with the what-if's workspace rule; raises AllocatorOutOfMemory."""
+    allocator = device.allocator.new_allocator(capacity)
+    handles: dict[int, int] = {}
+    first_step_end = getattr(events, "first_step_end", len(events))
+    searched: set[int] = set()
+    if device.workspace_bytes:
+        allocator.malloc(device.workspace_bytes)
+    for index, event in enumerate(events):
+        if event.kind is EventKind.ALLOC:
+            workspace = timeline.is_fallible(event)
+            if workspace and _WORKSPACE_RULE["what_if"] == "no-workspace":
+                if skipped is not None:
+                    skipped.add(event.key)
+            else:
+                if workspace and event.nbytes not in searched and index < first_step_end:
+                    searched.add(event.nbytes)
+                    allocator.empty_cache()
+                try:
+                    handles[event.key] = allocator.malloc(event.nbytes)
+                except AllocatorOutOfMemory:
+                    if not workspace:
+                        raise
+                    if skipped is not None:
+                        skipped.add(event.key)
+        elif event.kind is EventKind.FREE:
+            handle = handles.pop(event.key, None)
+            if handle is not None:
+                allocator.free(handle)
+        if record is not None:
+            record[0].append(allocator.allocated_bytes)
+            record[1].append(allocator.reserved_bytes)
+
+
+def _fits(events, device, capacity) -> bool:
+    try:
+        _run(events, device, capacity)
+    except AllocatorOutOfMemory:
+        return False
+    return True
+
+
+def _replay_cuda(events, device, capacity, skipped=None):
+    record: tuple[list[int], list[int]] = ([], [])
+    _run(events, device, capacity, record, skipped)
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--what-if", choices=WHAT_IFS)
+    parser.add_argument("--steps", type=int, default=2)
+    args, rest = parser.parse_known_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2")
+    if "--tag" not in rest:
+        parser.error("give the run its own --tag")
+    install(args.what_if, args.steps)
+    gpu_brackets.main(rest)
+
+
+if __name__ == "__main__":
+    main()

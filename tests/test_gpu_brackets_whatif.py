@@ -1,0 +1,131 @@
+"""The what-if replays of ``benchmarks/gpu_brackets_whatif.py`` (experiments, not the
+engine), on hand-built event lists.
+
+Expected values follow the allocator's rules in c10/cuda/CUDACachingAllocator.cpp as in
+tests/device/test_timeline.py: a request of 10 MiB or more gets a segment of its own
+size; ``get_free_block`` takes the smallest cached block that fits; a large block splits
+when more than 1 MiB would remain; when cudaMalloc fails the allocator releases every
+wholly free segment and retries once.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchfit.device import allocator as allocator_module
+from batchfit.device import timeline
+from batchfit.device.profile import DeviceProfile
+from batchfit.engine.tracer import Category, Event, EventKind, Phase
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+whatif = pytest.importorskip("gpu_brackets_whatif")
+
+MiB = 1 << 20
+DEV = DeviceProfile.cuda(80 * 1024 * MiB, (8, 0), context_bytes=0, workspace_bytes=0)
+
+
+def _event(kind: EventKind, key: int, mib: int, op: str = "op") -> Event:
+    return Event(kind, key, mib * MiB, Category.ACTIVATIONS, "m", op, Phase.FORWARD)
+
+
+WS = "cudnn workspace (aten.convolution.default)"
+# x (40 MiB) dies and stays cached; a convolution's 12 MiB workspace; then y (20) and
+# z (30) live together.
+STEP = [_event(EventKind.ALLOC, 1, 40), _event(EventKind.FREE, 1, 40),
+        _event(EventKind.ALLOC, 2, 12, WS), _event(EventKind.FREE, 2, 12, WS),
+        _event(EventKind.ALLOC, 3, 20), _event(EventKind.ALLOC, 4, 30),
+        _event(EventKind.FREE, 3, 20), _event(EventKind.FREE, 4, 30)]
+
+
+@pytest.fixture
+def restore_replay(monkeypatch):
+    """Each test installs a what-if; put the engine's pieces back afterwards."""
+    for name in ("loop_events", "_fits", "_replay_cuda"):
+        monkeypatch.setattr(timeline, name, getattr(timeline, name))
+    monkeypatch.setattr(allocator_module.CachingAllocator, "_new_segment",
+                        allocator_module.CachingAllocator._new_segment)
+    monkeypatch.setitem(whatif._WORKSPACE_RULE, "what_if", "")
+
+
+def test_the_engine_splits_the_cached_segment_and_needs_70_mib(restore_replay):
+    # The workspace (12) and then y (20) take x's cached 40 MiB block by best fit; y splits
+    # it (20 MiB remain). z (30) does not fit the remainder: cudaMalloc(30) gives 70 MiB;
+    # under 70 nothing is wholly free to release (y holds the 40 MiB segment).
+    assert timeline._fits(STEP, DEV, 70 * MiB)
+    assert not timeline._fits(STEP, DEV, 68 * MiB)
+
+
+def test_empty_cache_before_the_first_workspace_needs_only_the_live_50_mib(restore_replay):
+    # cuDNN's benchmark search empties the cache (Conv_v8.cpp run_single_conv): x's 40 MiB
+    # segment is released, the workspace gets a 12 MiB segment of its own, y (20) does not
+    # fit it and gets 20; z (30) fails at 62 > 50, the wholly free 12 MiB segment is
+    # released and the retry fits: 20 + 30 = 50 MiB.
+    whatif.install("empty-cache", steps=2)
+    assert timeline._fits(STEP, DEV, 50 * MiB)
+    assert not timeline._fits(STEP, DEV, 48 * MiB)
+
+
+def test_empty_cache_happens_in_the_first_step_only(restore_replay):
+    # Looped, the second step's workspace finds the cache as the first step left it (no
+    # search, no emptyCache). Whatever the first step leaves cached (20, 30 and perhaps
+    # the workspace's 12 MiB segment), x (40) fits none of it: cudaMalloc(40) over the
+    # capacity releases them all and x gets 40. The workspace (12) and then y (20) split
+    # x's block as in the engine, and z (30) needs 40 + 30 = 70 MiB.
+    whatif.install("empty-cache", steps=2)
+    looped, _ = timeline.loop_events(STEP)
+    assert looped.first_step_end == len(STEP)  # no leftovers: every storage is freed
+    assert timeline._fits(looped, DEV, 70 * MiB)
+    assert not timeline._fits(looped, DEV, 68 * MiB)
+
+
+def test_three_steps_repeat_the_last_step_with_new_keys(restore_replay):
+    whatif.install(None, steps=3)
+    looped, _ = timeline.loop_events(STEP)
+    assert len(looped) == 3 * len(STEP)
+    allocs = [e.key for e in looped if e.kind is EventKind.ALLOC]
+    assert len(set(allocs)) == len(allocs)  # every step allocates its own storages
+
+
+# x (40) is live while a convolution's 30 MiB workspace is allocated; then y (25) and
+# z (40) live together.
+HELPFUL_WORKSPACE = [_event(EventKind.ALLOC, 1, 40), _event(EventKind.ALLOC, 2, 30, WS),
+                     _event(EventKind.FREE, 2, 30, WS), _event(EventKind.FREE, 1, 40),
+                     _event(EventKind.ALLOC, 3, 25), _event(EventKind.ALLOC, 4, 40),
+                     _event(EventKind.FREE, 3, 25), _event(EventKind.FREE, 4, 40)]
+
+
+def test_the_engine_reuses_a_workspace_segment_that_fitted(restore_replay):
+    # At 70 MiB the workspace gets a 30 MiB segment beside x's 40; once both are free, y
+    # (25) takes the 30 MiB block by best fit and z (40) takes x's: 70 MiB. Below that the
+    # workspace is skipped (torch falls back), y splits x's block and z needs 80.
+    assert timeline._fits(HELPFUL_WORKSPACE, DEV, 70 * MiB)
+    assert not timeline._fits(HELPFUL_WORKSPACE, DEV, 68 * MiB)
+    assert timeline._fits(HELPFUL_WORKSPACE, DEV, 80 * MiB)
+
+
+def test_no_workspace_never_allocates_the_workspace(restore_replay):
+    # Without the workspace, y (25) splits x's cached 40 MiB block and z (40) needs a
+    # segment of its own: 40 + 40 = 80 MiB at any capacity.
+    whatif.install("no-workspace", steps=2)
+    assert not timeline._fits(HELPFUL_WORKSPACE, DEV, 70 * MiB)
+    assert not timeline._fits(HELPFUL_WORKSPACE, DEV, 78 * MiB)
+    assert timeline._fits(HELPFUL_WORKSPACE, DEV, 80 * MiB)
+
+
+def _tie_winner() -> str:
+    """Two 20 MiB segments freed, then a 20 MiB request: which one best fit hands out
+    (equal sizes: the lower address, ``BlockComparatorSize``)."""
+    allocator = allocator_module.CachingAllocator()
+    first, second = allocator.malloc(20 * MiB), allocator.malloc(20 * MiB)
+    allocator.free(first)
+    allocator.free(second)
+    return "first" if allocator.malloc(20 * MiB) == first else "second"
+
+
+def test_reversed_addresses_break_a_tie_the_other_way(restore_replay):
+    assert _tie_winner() == "first"  # the segment cudaMalloc'd first is the lower one
+    whatif.install("reverse-addresses", steps=2)
+    assert _tie_winner() == "second"
