@@ -66,6 +66,26 @@ def test_lazy_loading_and_context(stack, lazy):
     assert s.context_bytes() == (512 if lazy else 1343) * MIB
 
 
+def test_the_eager_context_is_the_cards_architectures():
+    # Eager loading loads the kernels built for the device's architecture. On an RTX 3090
+    # (8.6) pytorch/pytorch#55277 measured 1,687 MiB used after torch.Tensor(1).cuda(),
+    # of which the tensor's segment is the caching allocator's smallest, 2 MiB: 1,685 MiB.
+    # With no measurement for the architecture (an A100, 8.0), the V100's 1,343 MiB.
+    # Lazy loading does not depend on the card.
+    old = Stack.parse(stack="torch1.12+cu113")
+    assert old.context_bytes((8, 6)) == 1685 * MIB
+    assert old.context_bytes((8, 0)) == old.context_bytes() == 1343 * MIB
+    assert Stack.parse(stack="torch2.4+cu124").context_bytes((8, 6)) == 512 * MIB
+    assert old.to_dict((8, 6))["context_bytes"] == 1685 * MIB
+
+
+def test_a_3090_profile_takes_its_eager_context_from_the_stack():
+    eager = batchfit.estimate(linear, (1024,), 64, device="RTX 3090", stack="torch1.10+cu113")
+    lazy = batchfit.estimate(linear, (1024,), 64, device="RTX 3090", stack="torch2.4+cu124")
+    assert eager.device.context_bytes == 1685 * MIB
+    assert lazy.device.context_bytes == 512 * MIB
+
+
 @pytest.mark.parametrize("stack,after_2_0", [("torch1.12+cu113", False), ("torch2.0+cu118", True)])
 def test_torch_2_0_defaults(stack, after_2_0):
     s = Stack.parse(stack=stack)

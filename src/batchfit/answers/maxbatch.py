@@ -117,7 +117,8 @@ class MaxBatchResult:
             "explanation": est.explain(),
             "evaluated": [list(pair) for pair in self.evaluated],
             "note": self.note,
-            "stack": self.stack.to_dict() if self.stack is not None else None,
+            "stack": (self.stack.to_dict(self.device.compute_capability)
+                      if self.stack is not None else None),
             "host_backed_bytes": est.host_backed_bytes,
         }
 

@@ -135,14 +135,15 @@ class DeviceProfile:
 
     def for_stack(self, stack: Any) -> "DeviceProfile":
         """This profile with the CUDA context of ``stack`` (a
-        :class:`~batchfit.engine.stack.Stack`), unless the context was set explicitly.
+        :class:`~batchfit.engine.stack.Stack`) on this card's architecture, unless the
+        context was set explicitly.
 
         Raises:
             MemoryBelowOverheadError: the stack's context and the workspaces fill the memory.
         """
         if not (self.is_cuda and self.context_from_stack):
             return self
-        context = stack.context_bytes()
+        context = stack.context_bytes(self.compute_capability)
         if context == self.context_bytes:
             return self
         profile = replace(self, context_bytes=context)

@@ -79,6 +79,18 @@ LAZY_CONTEXT_BYTES = 512 * MiB
 #: training anatomy"). nvidia-smi's "MB" are MiB. It is NVML's ``used`` on a card that
 #: showed "0 MB" before: the increase, without what the driver keeps (not counted twice).
 EAGER_CONTEXT_BYTES = 1343 * MiB
+#: Eager loading puts every kernel built for the device's architecture into the context,
+#: so its size depends on the card, not only on the stack. Measured per compute
+#: capability (where no measurement exists, the V100's above):
+#: * (8, 6), the RTX 3090: 1,687 MiB after ``torch.Tensor(1).cuda()`` with torch
+#:   1.8.2+cu111 (pytorch/pytorch#55277, the table of 2022-04-12: 721 MiB on a GTX 1080
+#:   with cu101, 1,687 on a 3090 with cu111), less that tensor's 2 MiB segment
+#:   (the caching allocator's smallest). A second 3090 measurement, torch 1.7.1+cu110
+#:   (pytorch/pytorch#49877: 1,644 MiB with a 156.25 MiB tensor in a 158 MiB segment),
+#:   gives 1,486 MiB; newer torch loads more kernels, so the newer figure is used.
+EAGER_CONTEXT_BYTES_BY_CAPABILITY: dict[tuple[int, int], int] = {
+    (8, 6): (1687 - 2) * MiB,
+}
 
 #: torch releases: the CUDA versions of their official wheels and the cuDNN those wheels
 #: ship (``torch.backends.cudnn.version()``; from 2.1 the ``nvidia-cudnn-cu1x`` pin of the
@@ -215,9 +227,16 @@ class Stack:
         return self.cuda_version >= (12, 2) or (
             self.cuda_version >= (11, 7) and self.torch_version >= (1, 13))
 
-    def context_bytes(self) -> int:
-        """The CUDA context and loaded kernels, outside the caching allocator."""
-        return LAZY_CONTEXT_BYTES if self.lazy_module_loading else EAGER_CONTEXT_BYTES
+    def context_bytes(self, compute_capability: tuple[int, int] | None = None) -> int:
+        """The CUDA context and loaded kernels, outside the caching allocator: lazy, the
+        same on every card; eager, the measurement for ``compute_capability`` if there is
+        one (:data:`EAGER_CONTEXT_BYTES_BY_CAPABILITY`), else the V100's."""
+        if self.lazy_module_loading:
+            return LAZY_CONTEXT_BYTES
+        if compute_capability is None:
+            return EAGER_CONTEXT_BYTES
+        return EAGER_CONTEXT_BYTES_BY_CAPABILITY.get(tuple(compute_capability),
+                                                     EAGER_CONTEXT_BYTES)
 
     @property
     def zero_grad_sets_none(self) -> bool:
@@ -273,12 +292,14 @@ class Stack:
         return (f"torch {self.torch_version[0]}.{self.torch_version[1]} + CUDA "
                 f"{self.cuda_version[0]}.{self.cuda_version[1]} (cuDNN {cudnn_label(self.cudnn_version)})")
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self, compute_capability: tuple[int, int] | None = None) -> dict[str, object]:
+        """The versions and what they decide; the context on ``compute_capability``'s
+        architecture (:meth:`context_bytes`)."""
         return {"torch_version": ".".join(map(str, self.torch_version)),
                 "cuda_version": ".".join(map(str, self.cuda_version)),
                 "cudnn_version": self.cudnn_version,
                 "lazy_module_loading": self.lazy_module_loading,
-                "context_bytes": self.context_bytes()}
+                "context_bytes": self.context_bytes(compute_capability)}
 
 
 def cudnn_label(version: int) -> str:
