@@ -11,7 +11,9 @@ reasons each written in a source:
   measured 287 MB lazy against 667 MB eager for torch's own kernels), and CUDA 12.2
   makes it the driver's default on Linux. Measured: 1,343 MB on a V100 with torch 1.10
   (Hugging Face, "Model training anatomy"), ~300-430 MB lazy (pytorch/pytorch#107667,
-  #109888). :meth:`Stack.context_bytes`.
+  #109888). Eager loading loads the kernels built for the card's architecture, so the
+  eager context is per compute capability where measured (1,685 MiB on an RTX 3090,
+  pytorch/pytorch#55277). :meth:`Stack.context_bytes`.
 * **``optimizer.zero_grad()``** sets gradients to None from torch 2.0 (``set_to_none``
   default True, torch 2.0 release notes); before, it zeroes them in place, so last
   step's gradients stay allocated through the next forward and backward.
