@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import os
 import time
 import traceback
@@ -41,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from capped_models import Broadcast
-from gloo_ranks import run_ranks, scenario_results
+from gloo_ranks import finish_rank, run_ranks, scenario_results
 
 MIB = 1 << 20
 WORLD_SIZE = 2
@@ -244,9 +243,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
                     results[name] = {"crashed": traceback.format_exc()}
                 results[name]["seconds"] = round(time.perf_counter() - start, 2)
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
-            json.dump(results, out)
-        dist.destroy_process_group()
+        finish_rank(rank, out_dir, results)
 
 
 # --------------------------------------------------------------------------- the tests

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import time
 import traceback
@@ -24,7 +23,7 @@ from torch import nn
 
 from batchfit.stats.estimator import two_batch_estimates
 from batchfit.stats.measure import noise_scale
-from gloo_ranks import run_ranks, scenario_results
+from gloo_ranks import finish_rank, run_ranks, scenario_results
 
 WORLD_SIZE = 2
 MICRO, SIZE, STEPS = 2, 5, 3
@@ -102,9 +101,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
             except Exception:  # noqa: BLE001 - reported to the test
                 results[name] = {"crashed": traceback.format_exc()}
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
-            json.dump(results, out)
-        dist.destroy_process_group()
+        finish_rank(rank, out_dir, results)
 
 
 @pytest.fixture(scope="module")
