@@ -386,6 +386,16 @@ BAD = [
      "must be > 20"),
     (["estimate", "timm:resnet18", "-b", "2", "--gpu", "T4", "--alloc-conf",
       "backend:cudaMallocAsync"], 2, "not modelled"),
+    # the stack options describe a predicted process: a measured bench refuses them
+    (["bench", "{factory}:with_spec", "--stack", "torch1.12+cu113"], 2, "add --predict"),
+    (["bench", "{factory}:with_spec", "--device", "cpu", "--cudnn-benchmark"], 2,
+     "--cudnn-benchmark describes a predicted process"),
+    (["bench", "{factory}:with_spec", "--gpu", "T4", "--predict", "--torch-version", "3.1"], 2,
+     "unknown --torch-version"),
+    (["bench", "{factory}:with_spec", "--gpu", "T4", "--predict", "--memory", "1GiB", "--stack",
+      "torch1.12+cu113"], 2, "below the 1,425,276,928 B"),
+    (["plan", "{factory}:with_spec", "--gpus", "2xT4", "--global-batch", "8", "--alloc-conf",
+      "max_split_size_mb:16"], 2, "must be > 20"),
 ]
 
 
@@ -419,6 +429,70 @@ def test_stack_sets_the_context_in_json(factory_file):
     assert ampere.exit_code == 0, ampere.output
     data = json.loads(ampere.output)
     assert data["device"]["context_bytes"] == data["stack"]["context_bytes"] == 1685 * MIB
+
+
+def test_bench_predict_takes_the_stack_as_max_does(factory_file):
+    # ``heavy`` in inference holds 96 MiB per sample at its peak (the 32 MiB input, the
+    # Linear's and the ReLU's 32 MiB outputs). torch 1.12 + CUDA 11.3 loads every kernel
+    # eagerly: a T4's context grows from 512 to 1,343 MiB, and 831 MiB is 8.7 samples, so
+    # the largest batch drops by 8 or 9; bench --predict and max agree on it.
+    def answer(command: str, *stack: str) -> dict:
+        extra = ("--predict", "--batches", "1") if command == "bench" else ()
+        result = invoke(command, f"{factory_file}:heavy", "--gpu", "T4", "--mode", "infer",
+                        *extra, *stack, "--json")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    old = ("--stack", "torch1.12+cu113")
+    bench_new, bench_old = answer("bench"), answer("bench", *old)
+    assert bench_old["device"]["context_bytes"] == 1343 * MIB
+    assert bench_new["device"]["context_bytes"] == 512 * MIB
+    assert bench_old["stack"]["torch_version"] == "1.12"
+    assert bench_old["max_batch_size"] == answer("max", *old)["max_batch_size"]
+    assert bench_new["max_batch_size"] == answer("max")["max_batch_size"]
+    assert 8 <= bench_new["max_batch_size"] - bench_old["max_batch_size"] <= 9
+
+
+def test_sharded_estimate_and_plan_take_the_stack(factory_file):
+    # A rank's estimate on another stack carries that stack's context: on an RTX 3090
+    # (8.6) torch 1.12 + CUDA 11.3 loads eagerly, 1,685 MiB (pytorch/pytorch#55277)
+    # instead of 512 MiB lazily, 1,173 MiB more; inference of the MLP changes nothing else.
+    def ranks(*stack: str) -> dict:
+        result = invoke("estimate", f"{factory_file}:with_spec", "-b", "64", "--mode", "infer",
+                        "--gpu", "RTX 3090", "--world-size", "2", "--strategy", "ddp", *stack,
+                        "--json")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    old, new = ranks("--stack", "torch1.12+cu113"), ranks()
+    assert old["total_bytes"] - new["total_bytes"] == (1685 - 512) * MIB
+    assert [r["total_bytes"] for r in old["ranks"]] == [old["total_bytes"]] * 2
+
+    # plan: each layout's memory per GPU is the rank estimate on the stack it was given
+    from batchfit.answers.ranks import estimate_ranks
+    from batchfit.engine.spec import TrainConfig
+    from batchfit.engine.stack import Stack
+    from batchfit.models.resolve import resolve_model
+    from batchfit.sharding.layout import Parallelism
+
+    def plan(*stack: str) -> dict:
+        result = invoke("plan", f"{factory_file}:with_spec", "--gpus", "2xT4", "--global-batch",
+                        "8", "--strategies", "ddp", "--checkpointing", "off", "--offload", "none",
+                        *stack, "--json")
+        assert result.exit_code == 0, result.output
+        (row,) = json.loads(result.stdout)["layouts"]
+        return row
+
+    row_old, row_new = plan("--stack", "torch1.12+cu113"), plan()
+    assert row_old["micro_batch_size"] == row_new["micro_batch_size"] == 4
+    spec = resolve_model(f"{factory_file}:with_spec")
+    config = TrainConfig(optimizer="adamw", stack=Stack.parse(stack="torch1.12+cu113"))
+    expected = estimate_ranks(spec.factory, spec.input_spec, 4, config, device="T4",
+                              parallel=Parallelism(world_size=2, strategy="ddp", rank=0),
+                              first_step=False).total_bytes
+    assert row_old["memory_per_gpu_bytes"] == expected
+    # at least the T4's larger eager context (1,343 - 512 MiB) above the default stack
+    assert row_old["memory_per_gpu_bytes"] - row_new["memory_per_gpu_bytes"] >= 831 * MIB
 
 
 def test_alloc_conf_from_the_option_and_from_the_environment(factory_file, monkeypatch,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from batchfit.answers.estimate import MemoryEstimate, summarize
+from batchfit.device.allocator import AllocatorConfig
 from batchfit.device.profile import DeviceProfile, resolve_device
 from batchfit.engine.spec import TrainConfig, make_config
 from batchfit.engine.trace import TraceReuse
@@ -100,7 +101,10 @@ def estimate_ranks(model: Any, inputs: Any, batch_size: int,
     from batchfit.sharding.rank import trace_rank
 
     config = make_config(config, options)
-    profile = rank_profile(resolve_device(device), parallel, nccl)
+    # the stack's context and the allocator options, as a single-GPU estimate takes them
+    device = resolve_device(device).for_stack(config.resolved_stack).with_allocator(
+        AllocatorConfig.resolve(config.alloc_conf))
+    profile = rank_profile(device, parallel, nccl)
     reuse = reuse if reuse is not None else TraceReuse()
     ranks = []
     for rank in parallel.ranks_to_trace():

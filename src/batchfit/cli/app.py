@@ -669,9 +669,17 @@ def bench_cmd(
     mode: str = ModeOpt, optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
     checkpointing: Optional[bool] = CkptOpt, channels_last: bool = ClOpt,
     model_kwargs: Optional[list[str]] = KwargsOpt, inference_mode: bool = InfModeOpt,
+    stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
+    cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
+    alloc_conf: Optional[str] = AllocConfOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
-    """Measure (or predict) throughput against batch size and recommend the fastest batch."""
+    """Measure (or predict) throughput against batch size and recommend the fastest batch.
+
+    With --predict, the stack options (--stack, --torch-version, --cuda-version,
+    --cudnn-benchmark, --alloc-conf) describe the process on the predicted card, as for
+    ``max``; a measured bench runs in this process, with its own torch and settings.
+    """
     with _errors(debug):
         _check_plot(plot)
         if dataset_size is not None and dataset_size < 1:
@@ -680,13 +688,22 @@ def bench_cmd(
             raise InvalidInputError("--predict needs --gpu NAME: the card to predict for")
         if gpu and not predict:
             raise InvalidInputError("--gpu goes with --predict; to measure, use --device cpu|cuda:N")
+        given = [name for name, value in (
+            ("--stack", stack), ("--torch-version", torch_version),
+            ("--cuda-version", cuda_version), ("--cudnn-benchmark", cudnn_benchmark or None),
+            ("--alloc-conf", alloc_conf)) if value is not None]
+        if given and not predict:
+            raise InvalidInputError(
+                f"{given[0]} describes a predicted process: add --predict --gpu NAME (a "
+                "measured bench runs with this process's torch and settings)")
         batch_list = _parse_batches(batches)
         memory_bytes = parse_size(memory) if memory is not None else None
         budget_s = parse_duration(time_budget)
-        card = _predicted_card(gpu, memory_bytes) if predict else None
+        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
+                                   inference_mode, alloc_conf)
+        card = _predicted_card(gpu, memory_bytes, settings.get("stack")) if predict else None
         spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
-                                      checkpointing, channels_last, model_kwargs,
-                                      inference_mode=inference_mode)
+                                      checkpointing, channels_last, model_kwargs, **settings)
         if predict:
             from batchfit.speed.roofline import predict_throughput
 
@@ -732,17 +749,18 @@ def _point_line(point: Any) -> None:
     sys.stderr.flush()
 
 
-def _predicted_card(gpu: str, memory_bytes: int | None) -> Any:
+def _predicted_card(gpu: str, memory_bytes: int | None, stack: Any = None) -> Any:
     """The catalog card ``bench --predict`` runs on; with ``--memory``, its architecture with
-    that memory (checked against the context and workspaces as ``max`` checks it)."""
+    that memory. Checked against the context (the stack's, if given) and workspaces as
+    ``max`` checks it: one clear line if the memory cannot hold them."""
     from batchfit.device.catalog import find_gpu
     from batchfit.device.profile import gpu_profile
 
     card = find_gpu(gpu)
-    if memory_bytes is None:
-        return card
-    gpu_profile(card, memory_bytes)  # one clear line if the memory cannot hold the overheads
-    return card.with_memory(memory_bytes)
+    profile = gpu_profile(card, memory_bytes)
+    if stack is not None:
+        profile.for_stack(stack)
+    return card if memory_bytes is None else card.with_memory(memory_bytes)
 
 
 def _parse_batches(text: str) -> Any:

@@ -8,6 +8,9 @@ from typing import Optional
 import typer
 
 from batchfit.cli.app import (
+    AllocConfOpt,
+    CudaVerOpt,
+    CudnnBenchOpt,
     DebugOpt,
     InputOpt,
     JsonOpt,
@@ -17,10 +20,13 @@ from batchfit.cli.app import (
     OptimOpt,
     PrecOpt,
     SeqOpt,
+    StackOpt,
+    TorchVerOpt,
     _emit_json,
     _errors,
     _progress,
     _setup,
+    _stack_settings,
     app,
     out,
 )
@@ -47,13 +53,18 @@ def plan_cmd(
     input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
     optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
     model_kwargs: Optional[list[str]] = KwargsOpt,
+    stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
+    cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
+    alloc_conf: Optional[str] = AllocConfOpt,
     as_json: bool = JsonOpt, debug: bool = DebugOpt,
 ) -> None:
     """Rank multi-GPU layouts of a global batch by predicted step time, with memory per GPU."""
     with _errors(debug):
+        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
+                                   False, alloc_conf)
         with _progress(not as_json, f"resolving {model}...") as status:
             spec, inputs, config = _setup(model, input_shape, seq_len, "train", optimizer,
-                                          precision, False, False, model_kwargs)
+                                          precision, False, False, model_kwargs, **settings)
             from batchfit.speed.plan import plan
 
             def on_layout(label: str) -> None:

@@ -143,6 +143,7 @@ class ThroughputPrediction:
     dataset_size: int | None = None
     epoch_s: float | None = None
     note: str = ""
+    stack: Any = None  # the Stack the memory was predicted for (batchfit.engine.stack)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -156,6 +157,8 @@ class ThroughputPrediction:
             "wave_boundaries": [w.to_dict() for w in self.wave_boundaries],
             "scan_range": list(self.scan_range) if self.scan_range else None,
             "device": self.device.to_dict(),
+            "stack": (self.stack.to_dict(self.device.compute_capability)
+                      if self.stack is not None else None),
             "roofline": self.profile.to_dict(),
             "tolerance": self.tolerance,
             "affine": self.affine,
@@ -278,9 +281,11 @@ def predict_throughput(model: Any, inputs: Any, config: TrainConfig | None = Non
         points=points, knee_batch_size=knee.knee_batch_size, best_batch_size=knee.best_batch_size,
         best_samples_per_s=knee.best_samples_per_s, recommended_batch_size=recommended,
         max_batch_size=maximum, memory_bytes=limit.memory_bytes, wave_boundaries=boundaries,
-        scan_range=scan, device=device, profile=roofline, tolerance=tolerance,
+        # the device the memory was solved on: the card with the stack's context and the
+        # allocator options (what ``max`` reports)
+        scan_range=scan, device=limit.device, profile=roofline, tolerance=tolerance,
         affine=costs is not None, dataset_size=dataset_size, epoch_s=epoch,
-        note="; ".join(n for n in (limit.note, note) if n))
+        note="; ".join(n for n in (limit.note, note) if n), stack=config.resolved_stack)
 
 
 def _scan_waves(costs: StepCosts, profile: RooflineProfile, knee: int,
