@@ -197,3 +197,51 @@ def test_torch_1_10_softmax_keeps_its_input():
 
     assert logits_freed_in("torch1.10+cu113") == [Phase.BACKWARD]
     assert logits_freed_in("torch1.12+cu113") == [Phase.FORWARD]
+
+
+def test_math_attention_upcasts_from_torch_2_5():
+    # pytorch/pytorch#128922 (after the 2.4 branch) casts the math path's fp16/bf16 q, k, v
+    # to float32; #135964 (torch 2.5) added the switch that turns it off.
+    assert not Stack.parse(stack="torch2.4+cu124").math_sdpa_upcasts
+    assert not Stack.parse(stack="torch1.12+cu113").math_sdpa_upcasts
+    assert Stack.parse(stack="torch2.5+cu124").math_sdpa_upcasts
+    assert Stack.parse(stack="torch2.9.1+cu128").math_sdpa_upcasts
+
+
+class _ThreeDimAttention(nn.Module):
+    """SAM ViT's call: 3-D q, k, v ((batch x heads), tokens, head_dim), which no fused
+    kernel takes (check_tensor_shapes wants 4-D), so CUDA runs the math path."""
+
+    def __init__(self, masked: bool = False):
+        super().__init__()
+        self.masked = masked
+
+    def forward(self, x):
+        mask = None
+        if self.masked:  # an fp16 additive bias broadcast over the batch: 2 MiB
+            mask = torch.zeros(x.size(1), x.size(1), dtype=torch.float16, device=x.device)
+        return nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+
+def _attention_peak(stack: str, masked: bool = False) -> int:
+    from batchfit.device.timeline import peak_live_bytes
+    from batchfit.engine.spec import TrainConfig
+    from batchfit.engine.trace import trace_step
+
+    config = TrainConfig(mode="infer", precision="amp-fp16", stack=stack)
+    device = batchfit.DeviceProfile.cuda(24 << 30, (8, 6))
+    trace = trace_step(lambda: _ThreeDimAttention(masked), (1024, 8), 8, config, device)
+    return peak_live_bytes(trace.steady_events)
+
+
+def test_math_attention_before_2_5_runs_in_half_precision():
+    # Inference, fp16 autocast, batch 8 of 1024 tokens x 8. At softmax, torch 2.4's math
+    # path holds: the fp32 input (8*1024*8*4 = 256 KiB), autocast's fp16 copies of q, k
+    # and v (3 x 128 KiB), q * sqrt(scale) (128 KiB; k.T * sqrt(scale) died with the
+    # matmul), the fp16 scores and their softmax (8*1024*1024*2 = 16 MiB each).
+    KIB = 1024
+    assert _attention_peak("torch2.4+cu124") == 256 * KIB + 3 * 128 * KIB + 128 * KIB + 32 * MIB
+    # the mask is added in place (attn.add_): only the 2 MiB bias itself is more
+    assert _attention_peak("torch2.4+cu124", masked=True) == _attention_peak("torch2.4+cu124") + 2 * MIB
+    # from 2.5 the scores and the softmax are float32: 32 MiB each
+    assert _attention_peak("torch2.5+cu124") >= 64 * MIB

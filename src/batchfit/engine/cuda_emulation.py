@@ -109,6 +109,7 @@ from batchfit.engine.sdpa import (
     _sdpa_arguments,
     _values_context,
     choose_sdpa_backend,
+    math_attention_before_2_5,
 )
 
 __all__ = ["CudaEmulation"]
@@ -225,6 +226,10 @@ class CudaEmulation:
             one this torch was built with.
         efficient_chunks_batch: memory-efficient attention runs a batch past the grid
             limit in pieces (torch >= 2.8, :attr:`Stack.efficient_attention_chunks_batch`).
+        math_sdpa_upcasts: the math attention path computes fp16/bf16 inputs in float32
+            (torch >= 2.5, :attr:`batchfit.engine.stack.Stack.math_sdpa_upcasts`): the
+            installed torch's kernel; False runs torch 2.0-2.4's, in the inputs' dtype
+            (:func:`batchfit.engine.sdpa.math_attention_before_2_5`).
         weight_cache: autocast keeps one low-precision copy per fp32 weight for the
             region (``cached_cast``). False casts weights afresh per op, as torch does
             under ``torch.inference_mode()`` from 2.11
@@ -254,7 +259,7 @@ class CudaEmulation:
                  autocast_dtype: torch.dtype | None = None, sdpa: bool = True,
                  fused_attention: bool = True, softmax_saves_input: bool = False,
                  cudnn_version: int | None = None, efficient_chunks_batch: bool = False,
-                 weight_cache: bool = True):
+                 weight_cache: bool = True, math_sdpa_upcasts: bool = True):
         if (not isinstance(compute_capability, tuple) or len(compute_capability) != 2
                 or not all(isinstance(v, int) and v >= 0 for v in compute_capability)):
             raise ValueError(f"compute_capability must be (major, minor), "
@@ -267,6 +272,7 @@ class CudaEmulation:
         self.sdpa = sdpa
         self.fused_attention = fused_attention
         self.efficient_chunks_batch = efficient_chunks_batch
+        self.math_sdpa_upcasts = math_sdpa_upcasts
         self.weight_cache = weight_cache
         self.softmax_saves_input = softmax_saves_input
         if cudnn_version is None:
@@ -459,6 +465,9 @@ class CudaEmulation:
         if mask is not None and mask.dtype is torch.bool:
             mask = _bool_mask_to_bias(mask, query.dtype)
         if backend is SdpaBackend.MATH:
+            if not self.math_sdpa_upcasts and not call["enable_gqa"]:  # (no GQA before 2.5)
+                return math_attention_before_2_5(query, key, value, mask, call["dropout_p"],
+                                                 call["is_causal"], call["scale"])
             return torch.ops.aten._scaled_dot_product_attention_math(
                 query, key, value, mask, call["dropout_p"], call["is_causal"], None,
                 scale=call["scale"], enable_gqa=call["enable_gqa"])[0]

@@ -281,6 +281,37 @@ def _efficient_bias(bias: torch.Tensor, query: torch.Tensor, key: torch.Tensor) 
     return padded[..., :seq_kv]
 
 
+def math_attention_before_2_5(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              bias: torch.Tensor | None, dropout_p: float, is_causal: bool,
+                              scale: float | None) -> torch.Tensor:
+    """torch < 2.5's math attention, in the inputs' dtype.
+
+    ``_scaled_dot_product_attention_math`` in aten/src/ATen/native/transformers/
+    attention.cpp as torch 2.0-2.4 ship it: ``q * sqrt(scale)`` and ``k.T * sqrt(scale)``,
+    their ``matmul``, the additive mask added in place (``attn.add_(*attn_mask)``; the
+    out-of-place ``add`` only for tensor subclasses), ``at::_softmax`` over the last
+    dimension, dropout, and the ``matmul`` with ``v``, all in q's dtype. From 2.5 the
+    installed kernel differs: it casts fp16/bf16 inputs to float32 first
+    (pytorch/pytorch#128922, :attr:`batchfit.engine.stack.Stack.math_sdpa_upcasts`) and
+    its softmax is ``_safe_softmax`` (zeros for fully masked rows), whose mask and
+    ``where`` are more ``seq x seq`` temporaries. A causal call builds the lower-triangular
+    boolean mask and turns it into an additive one (``convert_boolean_attn_mask``).
+    """
+    factor = math.sqrt(1.0 / math.sqrt(query.size(-1)) if scale is None else scale)
+    if is_causal:
+        causal = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool,
+                            device=query.device).tril()
+        bias = _bool_mask_to_bias(causal, query.dtype)
+    scaled_query = query * factor
+    attn = torch.matmul(scaled_query, key.transpose(-2, -1) * factor)
+    if bias is not None:
+        attn.add_(bias)
+    attn = torch.softmax(attn, -1)
+    if dropout_p > 0.0:
+        attn = torch.nn.functional.dropout(attn, dropout_p, training=True)
+    return torch.matmul(attn, value)
+
+
 def _math_attention(query, key, value, bias, is_causal, scale, enable_gqa):
     return torch.ops.aten._scaled_dot_product_attention_math(
         query, key, value, bias, 0.0, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]

@@ -24,6 +24,10 @@ reasons each written in a source:
   :attr:`Stack.foreach_default`.
 * **Fused attention.** ``F.scaled_dot_product_attention`` exists from torch 2.0; before,
   attention is computed explicitly (what the math backend does). :attr:`Stack.has_sdpa`.
+* **The math attention path's precision.** From torch 2.5 the math backend of
+  ``scaled_dot_product_attention`` computes fp16/bf16 inputs in float32 (pytorch/pytorch
+  #128922), so its attention matrices take twice the bytes they took before.
+  :attr:`Stack.math_sdpa_upcasts`.
 * **Softmax's saved input.** Before torch 1.11 the backward formulas of softmax and
   log_softmax referenced ``self``, so autograd kept the input alive beside the output
   (pytorch/pytorch#64000, fixed by #65242): an extra attention-matrix-sized tensor per
@@ -149,7 +153,7 @@ def _installed() -> tuple[str, str | None]:
     cuda = _cuda_tag(local) if local else None
     if cuda is None and not local:  # a plain "2.x.y" wheel from PyPI is a CUDA build
         try:
-            import torch  # noqa: PLC0415 - only when the metadata cannot tell
+            import torch
 
             return version, torch.version.cuda
         except ImportError:
@@ -289,6 +293,18 @@ class Stack:
         return self.torch_version >= (2, 0)
 
     @property
+    def math_sdpa_upcasts(self) -> bool:
+        """The math backend of ``scaled_dot_product_attention`` computes fp16/bf16 inputs
+        in float32 (torch >= 2.5): pytorch/pytorch#128922 ("Always use high precision for
+        SDPA math backend", exported 2024-07-14, after the 2.4 release branch) makes
+        ``_scaled_dot_product_attention_math`` in transformers/attention.cpp cast q, k and
+        v to float32 (``query_acc = ... query_.to(at::kFloat)``), so its ``seq x seq``
+        scores and softmax are float32; #135964 (September 2024, torch 2.5) added
+        ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp`` to turn that off,
+        default off. Before 2.5 the math path ran in the inputs' dtype: half the bytes."""
+        return self.torch_version >= (2, 5)
+
+    @property
     def label(self) -> str:
         """``torch 2.4 + CUDA 12.4 (cuDNN 9.1.0)``."""
         return (f"torch {self.torch_version[0]}.{self.torch_version[1]} + CUDA "
@@ -371,7 +387,7 @@ def _cudnn_of(torch_v: tuple[int, int], cuda_v: tuple[int, int], installed: str)
 
 def _installed_cudnn() -> int:
     try:
-        import torch  # noqa: PLC0415 - the installed build is the one to ask
+        import torch
 
         return int(torch.backends.cudnn.version() or 0)
     except ImportError:

@@ -341,6 +341,7 @@ def trace_step(model: Any, inputs: Any, batch_size: int, config: Any, device: An
                                       cudnn_version=stack.cudnn_version,
                                       fused_attention=stack.has_sdpa,
                                       efficient_chunks_batch=stack.efficient_attention_chunks_batch,
+                                      math_sdpa_upcasts=stack.math_sdpa_upcasts,
                                       weight_cache=weight_cache,
                                       softmax_saves_input=stack.softmax_saves_input)
             autocast = emulation.autocast_region if amp else None
