@@ -153,7 +153,7 @@ def _installed() -> tuple[str, str | None]:
     cuda = _cuda_tag(local) if local else None
     if cuda is None and not local:  # a plain "2.x.y" wheel from PyPI is a CUDA build
         try:
-            import torch
+            import torch  # noqa: PLC0415 - only when the metadata cannot tell
 
             return version, torch.version.cuda
         except ImportError:
@@ -387,7 +387,7 @@ def _cudnn_of(torch_v: tuple[int, int], cuda_v: tuple[int, int], installed: str)
 
 def _installed_cudnn() -> int:
     try:
-        import torch
+        import torch  # noqa: PLC0415 - the installed build is the one to ask
 
         return int(torch.backends.cudnn.version() or 0)
     except ImportError:
