@@ -385,6 +385,29 @@ def decomposition_for(op: Any) -> Decomposition | None:
     return _DECOMPOSE.get(op)
 
 
+def _safe_softmax(args: tuple, kwargs: dict, device: Any) -> Any:
+    """``_safe_softmax`` as its composite runs on every device (aten/src/ATen/native/
+    SoftMax.cpp, torch >= 2.5; the math attention path's softmax): the softmax, a boolean
+    ``self == -inf``, its ``all`` over the rows, and ``where`` into a new tensor that zeroes
+    fully masked rows. The softmax output and the boolean (locals of the C++ function)
+    live until it returns, beside its result: 1.25 float32 ``seq x seq`` matrices a trace
+    of the op as one call misses."""
+    self_, dim = args[0], args[1]
+    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    out = torch.softmax(self_, dim, dtype=dtype)
+    neg_inf = torch.full((), float("-inf"), dtype=out.dtype, device=out.device)
+    masked = self_.eq(neg_inf)
+    masked_rows = masked.all(dim, keepdim=True)
+    zero = torch.zeros((), dtype=out.dtype, device=out.device)
+    result = torch.where(masked_rows, zero, out)
+    del out, masked, masked_rows  # what the C++ locals hold until the return
+    return result
+
+
+if hasattr(torch.ops.aten, "_safe_softmax"):  # torch >= 2.5
+    register_decomposition(torch.ops.aten._safe_softmax.default, _safe_softmax)
+
+
 #: Set while library code runs that reads tensor values only as scalars that set no shape
 #: (see :meth:`batchfit.engine.tracer.Tracer._shortcut`).
 _SCALAR_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("batchfit_scalar_reads",
