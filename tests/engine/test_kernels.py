@@ -138,3 +138,39 @@ def test_trace_holds_the_layer_norm_copy_with_the_output_then_frees_it() -> None
     assert at_norm[:3] == [(EventKind.ALLOC, 16384, copy),
                        (EventKind.ALLOC, 16384, "aten.native_layer_norm.default"),
                        (EventKind.FREE, 16384, copy)]
+
+
+def test_safe_softmax_is_traced_as_the_real_composite_allocates() -> None:
+    # _safe_softmax (the math attention path's softmax from torch 2.5) is one op to a fake
+    # trace, a composite on a device: the same op on real CPU tensors, under the profiler's
+    # memory events, gives the sizes the trace must record. By hand, for (4, 256, 256) fp32:
+    # the softmax output 1 MiB, isneginf's boolean 256 KiB, its all() over rows 1 KiB and a
+    # 0-d zero 4 B; where() writes into the softmax output.
+    from torch import nn
+
+    from batchfit import DeviceProfile, TrainConfig
+    from batchfit.device.timeline import peak_live_bytes
+    from batchfit.engine.trace import trace_step
+    from batchfit.engine.tracer import EventKind
+
+    x = torch.randn(4, 256, 256)
+    x[0, 3] = float("-inf")  # one fully masked row: zeros, not NaN
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        real = torch.ops.aten._safe_softmax(x, -1)
+    measured = sorted(e.nbytes() for e in prof.profiler.kineto_results.events()
+                      if e.nbytes() > 0)
+    assert measured == [4, 1024, 256 * 1024, 1 << 20]
+    assert real[0, 3].abs().sum() == 0
+
+    class SafeSoftmax(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.aten._safe_softmax(x, -1)
+
+    events = trace_step(SafeSoftmax, (256, 256), 4, TrainConfig(mode="infer"),
+                        DeviceProfile.cpu()).steady_events
+    traced = sorted(e.nbytes for e in events
+                    if e.kind is EventKind.ALLOC and e.category.value != "inputs")
+    assert traced == measured
+    # the input (1 MiB), the softmax output and the boolean at once, with the row mask
+    assert peak_live_bytes(events) == (1 << 20) * 2 + 256 * 1024 + 1024 + 4

@@ -386,22 +386,23 @@ def decomposition_for(op: Any) -> Decomposition | None:
 
 
 def _safe_softmax(args: tuple, kwargs: dict, device: Any) -> Any:
-    """``_safe_softmax`` as its composite runs on every device (aten/src/ATen/native/
-    SoftMax.cpp, torch >= 2.5; the math attention path's softmax): the softmax, a boolean
-    ``self == -inf``, its ``all`` over the rows, and ``where`` into a new tensor that zeroes
-    fully masked rows. The softmax output and the boolean (locals of the C++ function)
-    live until it returns, beside its result: 1.25 float32 ``seq x seq`` matrices a trace
-    of the op as one call misses."""
+    """``_safe_softmax`` as its composite runs on every device (CompositeExplicitAutograd,
+    no CUDA kernel of its own; torch >= 2.5, the math attention path's softmax): the
+    softmax, a boolean ``self.isneginf()``, its ``all`` over each row, and ``where`` written
+    into the softmax output, which zeroes fully masked rows. Measured with the profiler's
+    memory events on the installed torch (tests/engine/test_kernels.py): the softmax
+    output, the boolean and the row mask are allocated, the ``where`` nothing. The boolean
+    (a quarter of a float32 ``seq x seq`` matrix) lives until the op returns, beside its
+    result: what a trace of the op as one call misses."""
     self_, dim = args[0], args[1]
     dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
     out = torch.softmax(self_, dim, dtype=dtype)
-    neg_inf = torch.full((), float("-inf"), dtype=out.dtype, device=out.device)
-    masked = self_.eq(neg_inf)
+    masked = self_.isneginf()
     masked_rows = masked.all(dim, keepdim=True)
-    zero = torch.zeros((), dtype=out.dtype, device=out.device)
-    result = torch.where(masked_rows, zero, out)
-    del out, masked, masked_rows  # what the C++ locals hold until the return
-    return result
+    zero = torch.scalar_tensor(0.0, dtype=out.dtype, device=out.device)
+    torch.where(masked_rows, zero, out, out=out)
+    del masked, masked_rows, zero  # the C++ locals, alive until the return
+    return out
 
 
 if hasattr(torch.ops.aten, "_safe_softmax"):  # torch >= 2.5
