@@ -150,13 +150,21 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
     alloc_conf = config.alloc_conf
     if alloc_conf is None and snapshot is not None:  # the options the recorded process ran with
         alloc_conf = allocator_config_of(snapshot)
-    profile = resolve_device(device).for_stack(config.resolved_stack).with_allocator(
-        AllocatorConfig.resolve(alloc_conf))
+    profile = step_profile(device, config, alloc_conf)
     if snapshot is not None and not profile.is_cuda:
         raise InvalidInputError("a CUDA memory snapshot is compared with a CUDA target: "
                                 "give a GPU (--gpu NAME or --device cuda)")
     trace = trace_step(model, inputs, batch_size, config, profile, reuse)
     return summarize(trace, profile, first_step=first_step, snapshot=snapshot)
+
+
+def step_profile(device: DeviceProfile | str | None, config: TrainConfig,
+                 alloc_conf: Any = None) -> DeviceProfile:
+    """The target a step of ``config`` is predicted on: ``device`` with the CUDA context
+    of the config's stack and its caching-allocator options (``alloc_conf`` instead of
+    the config's, when given: a snapshot's)."""
+    return resolve_device(device).for_stack(config.resolved_stack).with_allocator(
+        AllocatorConfig.resolve(config.alloc_conf if alloc_conf is None else alloc_conf))
 
 
 def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True,

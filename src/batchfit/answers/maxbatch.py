@@ -30,7 +30,7 @@ from enum import StrEnum
 from typing import Any, Callable, Mapping, Sequence
 
 from batchfit._gc import old_objects_frozen
-from batchfit.answers.estimate import MemoryEstimate, estimate, summarize
+from batchfit.answers.estimate import MemoryEstimate, estimate, step_profile, summarize
 from batchfit.answers.solve import (
     NothingFits,
     default_seq_len_probes,
@@ -38,8 +38,7 @@ from batchfit.answers.solve import (
     solve_max_seq_len,
 )
 from batchfit.answers.tracepool import TracePool
-from batchfit.device.allocator import AllocatorConfig
-from batchfit.device.profile import DeviceProfile, resolve_device
+from batchfit.device.profile import DeviceProfile
 from batchfit.device.timeline import fits_within, needed_bytes, peak_live_bytes
 from batchfit.engine.spec import TensorSpec, TrainConfig, make_config
 from batchfit.engine.trace import StepTrace, TraceReuse, trace_step
@@ -201,8 +200,7 @@ def max_batch_size(model: Any, inputs: Any, config: TrainConfig | None = None, *
         NothingFits: batch 1 does not fit (``needed_bytes`` vs ``budget_bytes``).
     """
     config = make_config(config, options)
-    profile = resolve_device(device).for_stack(config.resolved_stack).with_allocator(
-        AllocatorConfig.resolve(config.alloc_conf))
+    profile = step_profile(device, config)
     if parallel is not None:
         return _max_batch_per_rank(model, inputs, config, profile, parallel, nccl,
                                    memory_bytes, margin, max_batch_limit, on_trace, fit_batches)
@@ -483,8 +481,7 @@ def max_seq_len(model: Any, inputs: Any, batch_size: int, config: TrainConfig | 
     dimension) gets the candidate length.
     """
     config = make_config(config, options)
-    profile = resolve_device(device).for_stack(config.resolved_stack).with_allocator(
-        AllocatorConfig.resolve(config.alloc_conf))
+    profile = step_profile(device, config)
     _, budget = _budget(profile, memory_bytes, margin)
     totals: dict[int, MemoryEstimate] = {}
     reuse = TraceReuse()

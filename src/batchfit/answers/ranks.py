@@ -21,9 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from batchfit.answers.estimate import MemoryEstimate, summarize
-from batchfit.device.allocator import AllocatorConfig
-from batchfit.device.profile import DeviceProfile, resolve_device
+from batchfit.answers.estimate import MemoryEstimate, step_profile, summarize
+from batchfit.device.profile import DeviceProfile
 from batchfit.engine.spec import TrainConfig, make_config
 from batchfit.engine.trace import TraceReuse
 from batchfit.sharding.layout import Parallelism
@@ -102,9 +101,7 @@ def estimate_ranks(model: Any, inputs: Any, batch_size: int,
 
     config = make_config(config, options)
     # the stack's context and the allocator options, as a single-GPU estimate takes them
-    device = resolve_device(device).for_stack(config.resolved_stack).with_allocator(
-        AllocatorConfig.resolve(config.alloc_conf))
-    profile = rank_profile(device, parallel, nccl)
+    profile = rank_profile(step_profile(device, config), parallel, nccl)
     reuse = reuse if reuse is not None else TraceReuse()
     ranks = []
     for rank in parallel.ranks_to_trace():
