@@ -146,3 +146,31 @@ def test_keras_model_with_a_torch_optimizer_is_refused() -> None:
 def test_input_spec_read_from_the_keras_model() -> None:
     assert keras_step.input_spec(keras_models.two_inputs()) == (
         TensorSpec((24, 24, 3)), TensorSpec((12,)))
+
+
+class _GradModeProbe(keras.layers.Layer):
+    """Records, at each call, whether torch's inference mode and grad mode are on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, bool]] = []
+
+    def call(self, x):
+        self.seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        return x
+
+
+@pytest.mark.parametrize("inference_mode", [False, True])
+def test_keras_inference_step_runs_under_the_users_grad_mode(inference_mode: bool) -> None:
+    # A real inference run (bench, search) runs what the user's loop runs:
+    # torch.inference_mode() with TrainConfig.inference_mode, no_grad otherwise; a trace
+    # (mark_phases) always no_grad.
+    from batchfit.engine.spec import Mode
+
+    probe = _GradModeProbe()
+    model = keras.Sequential([keras.Input((4,)), probe, keras.layers.Dense(2)])
+    config = batchfit.TrainConfig(mode=Mode.INFER, inference_mode=inference_mode)
+    batch = (torch.randn(3, 4), None)
+    keras_step.KerasStepRunner(model, config, batch).infer_step()
+    keras_step.KerasStepRunner(model, config, batch, mark_phases=True).infer_step()
+    assert probe.seen[-2:] == [(inference_mode, False), (False, False)]

@@ -495,7 +495,8 @@ def garbage_collected_per_layer(model: Any) -> Iterator[None]:
 
 class KerasStepRunner:
     """Runs Keras's own step on ``model``: ``train_step((x, y))`` (training) or
-    ``predict_step((x,))`` under ``no_grad`` (inference).
+    ``predict_step((x,))`` under ``no_grad`` (inference; a real run under
+    ``inference_mode`` when ``TrainConfig.inference_mode`` asks for it).
 
     Real runs go through ``model.train_function``, as ``fit`` does (``torch.compile`` when
     the model was compiled with ``jit_compile=True``); a trace (``mark_phases=True``) calls
@@ -533,7 +534,10 @@ class KerasStepRunner:
     def infer_step(self) -> None:
         self.on_phase("forward")
         x = self.batch[0]
-        with torch.no_grad():
+        # As the torch runner: a real run honours TrainConfig.inference_mode (what the user's
+        # loop runs under); a trace uses no_grad, whose memory is the same.
+        real_inference_mode = self.config.inference_mode and not self.mark_phases
+        with torch.inference_mode() if real_inference_mode else torch.no_grad():
             output = self.model.predict_step((x,))
         del output
 
