@@ -148,9 +148,28 @@ def test_recommend_human_output_with_predicted_step_times(workload_file):
     assert "Malladi" in result.stdout  # the default AdamW: the square-root rule
 
 
+def test_recommend_predict_takes_the_stack_and_memory_as_bench_does(workload_file):
+    # The predicted card is the one bench --predict runs on: torch 1.12 + CUDA 11.3 loads
+    # every kernel eagerly, a T4's context 1,343 MiB (the V100's measured eager context)
+    # instead of 512 MiB lazily; --memory gives the card that much memory.
+    def throughput(*args: str) -> dict:
+        result = invoke("recommend", f"{workload_file}:build", "--noise-scale", "32",
+                        "--gpu", "T4", "--predict", "--batches", "8,64", *args, "--json")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["throughput"]
+
+    old = throughput("--stack", "torch1.12+cu113", "--memory", "2GiB")
+    assert old["device"]["context_bytes"] == 1343 * 2**20
+    assert old["device"]["total_memory_bytes"] == 2 * 2**30
+    assert old["stack"]["torch_version"] == "1.12"
+    assert throughput()["device"]["context_bytes"] == 512 * 2**20
+
+
 @pytest.mark.parametrize("args, message", [
     (["--predict"], "--predict needs --gpu"),
     (["--gpu", "A100"], "--gpu goes with --predict"),
+    (["--stack", "torch1.12+cu113"], "add --predict"),
+    (["--gpu", "T4", "--predict", "--torch-version", "0.3"], "unknown --torch-version"),
     (["--noise-scale", "-3"], "must be a positive number"),
     (["--current-batch", "0"], "--current-batch must be a positive integer"),
 ], ids=lambda v: v if isinstance(v, str) else " ".join(v))

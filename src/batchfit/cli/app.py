@@ -688,14 +688,8 @@ def bench_cmd(
             raise InvalidInputError("--predict needs --gpu NAME: the card to predict for")
         if gpu and not predict:
             raise InvalidInputError("--gpu goes with --predict; to measure, use --device cpu|cuda:N")
-        given = [name for name, value in (
-            ("--stack", stack), ("--torch-version", torch_version),
-            ("--cuda-version", cuda_version), ("--cudnn-benchmark", cudnn_benchmark or None),
-            ("--alloc-conf", alloc_conf)) if value is not None]
-        if given and not predict:
-            raise InvalidInputError(
-                f"{given[0]} describes a predicted process: add --predict --gpu NAME (a "
-                "measured bench runs with this process's torch and settings)")
+        _predicted_only(predict, "bench", stack, torch_version, cuda_version, cudnn_benchmark,
+                        alloc_conf)
         batch_list = _parse_batches(batches)
         memory_bytes = parse_size(memory) if memory is not None else None
         budget_s = parse_duration(time_budget)
@@ -736,6 +730,21 @@ def bench_cmd(
         out.print(render_bench(result, model))
         if plot:
             out.print(f"plot written to {plot}")
+
+
+def _predicted_only(predict: bool, command: str, stack: str | None, torch_version: str | None,
+                    cuda_version: str | None, cudnn_benchmark: bool,
+                    alloc_conf: str | None) -> None:
+    """The stack options describe the process on a predicted card: refused on a measurement
+    (which runs in this process, with its own torch and settings)."""
+    given = [name for name, value in (
+        ("--stack", stack), ("--torch-version", torch_version),
+        ("--cuda-version", cuda_version), ("--cudnn-benchmark", cudnn_benchmark or None),
+        ("--alloc-conf", alloc_conf)) if value is not None]
+    if given and not predict:
+        raise InvalidInputError(
+            f"{given[0]} describes a predicted process: add --predict --gpu NAME (a "
+            f"measured {command} runs with this process's torch and settings)")
 
 
 def _point_line(point: Any) -> None:

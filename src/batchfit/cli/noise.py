@@ -12,16 +12,24 @@ from typing import Any
 import typer
 
 from batchfit.cli.app import (
+    AllocConfOpt,
+    CudaVerOpt,
+    CudnnBenchOpt,
     DebugOpt,
     JsonOpt,
     KwargsOpt,
     PlotOpt,
     PrecOpt,
+    StackOpt,
+    TorchVerOpt,
     _check_plot,
     _emit_json,
     _errors,
     _parse_batches,
+    _predicted_card,
+    _predicted_only,
     _progress,
+    _stack_settings,
     app,
     err,
     out,
@@ -140,8 +148,9 @@ def _given_noise(value: float, batch_small: int, batch_big: int) -> Any:
 
 def _throughput(loaded: Any, device: str | None, memory: str | None, gpu: str | None,
                 predict: bool, batches: str, precision: str, optimizer: str | None,
-                show_progress: bool) -> tuple[Any, bool]:
-    """The step-time curve of the workload's own loss: measured (bench) or predicted."""
+                show_progress: bool, settings: dict[str, Any] | None = None) -> tuple[Any, bool]:
+    """The step-time curve of the workload's own loss: measured (bench) or predicted
+    (``settings``: the stack options' TrainConfig fields, for a predicted card)."""
     from batchfit.engine.spec import OptimizerName, Precision, TrainConfig, parse_enum
     from batchfit.stats.data import BatchSource
     from batchfit.stats.measure import default_loss
@@ -160,19 +169,20 @@ def _throughput(loaded: Any, device: str | None, memory: str | None, gpu: str | 
     else:
         options = {"optimizer": OptimizerName.ADAMW}
     config = TrainConfig(precision=parse_enum(Precision, precision or "fp32", "precision"),
-                         loss_fn=identity_loss, **options)
+                         loss_fn=identity_loss, **options, **(settings or {}))
     batch_list = _parse_batches(batches)
     limit = min(source.size, 1 << 16)  # a batch larger than the data does not train
+    memory_bytes = parse_size(memory) if memory is not None else None
     if predict:
         from batchfit.speed.roofline import predict_throughput
 
+        card = _predicted_card(gpu, memory_bytes, (settings or {}).get("stack"))
         with _progress(show_progress, f"predicting step times on {gpu}..."):
-            return predict_throughput(step_module, spec, config, gpu=gpu, batches=batch_list,
+            return predict_throughput(step_module, spec, config, gpu=card, batches=batch_list,
                                       max_batch_limit=limit), True
     from batchfit.cli.app import _measure_progress
     from batchfit.speed.bench import bench
 
-    memory_bytes = parse_size(memory) if memory is not None else None
     with _measure_progress(show_progress) as on_measure:
         return bench(step_module, spec, config, device=device or "cpu", memory_bytes=memory_bytes,
                      batches=batch_list, max_batch_limit=limit, on_measure=on_measure), False
@@ -186,7 +196,9 @@ def recommend_cmd(
     noise_scale_value: float | None = typer.Option(
         None, "--noise-scale", help="use this B_simple instead of measuring it"),
     device: str | None = typer.Option(None, "--device", help="cpu or cuda:N (measured)"),
-    memory: str | None = typer.Option(None, "--memory", help="CPU memory budget, e.g. 8GiB"),
+    memory: str | None = typer.Option(
+        None, "--memory", help="memory budget on --device, e.g. 8GiB; with --gpu NAME "
+        "--predict, that card's memory"),
     gpu: str | None = typer.Option(None, "--gpu", help="a catalog GPU, with --predict"),
     predict: bool = typer.Option(False, "--predict", help="predict step times on --gpu"),
     batches: str = typer.Option("auto", "--batches", help="auto, or a list like 16,32,64"),
@@ -197,15 +209,27 @@ def recommend_cmd(
     current_batch: int | None = typer.Option(
         None, "--current-batch", help="the batch you train with now (default: --batch-big)"),
     model_kwargs: list[str] | None = KwargsOpt,
+    stack: str | None = StackOpt, torch_version: str | None = TorchVerOpt,
+    cuda_version: str | None = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
+    alloc_conf: str | None = AllocConfOpt,
     as_json: bool = JsonOpt, plot: str | None = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
-    """The batch that reaches a target loss soonest: noise scale x throughput x memory."""
+    """The batch that reaches a target loss soonest: noise scale x throughput x memory.
+
+    With --predict, the stack options (--stack, --torch-version, --cuda-version,
+    --cudnn-benchmark, --alloc-conf) describe the training process on the predicted card,
+    as for ``bench --predict``.
+    """
     with _errors(debug):
         _check_plot(plot)
         if predict and not gpu:
             raise InvalidInputError("--predict needs --gpu NAME: the card to predict for")
         if gpu and not predict:
             raise InvalidInputError("--gpu goes with --predict; to measure, use --device cpu|cuda:N")
+        _predicted_only(predict, "recommend", stack, torch_version, cuda_version,
+                        cudnn_benchmark, alloc_conf)
+        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
+                                   False, alloc_conf)
         if current_batch is not None and current_batch < 1:
             raise InvalidInputError(f"--current-batch must be a positive integer, not {current_batch}")
         loaded = _load(workload, None if predict else device, model_kwargs)
@@ -215,7 +239,7 @@ def recommend_cmd(
             noise = _measure(loaded, batch_small, batch_big, steps, method, train, seed,
                              not as_json)
         throughput, predicted = _throughput(loaded, device, memory, gpu, predict, batches,
-                                            precision, optimizer, not as_json)
+                                            precision, optimizer, not as_json, settings)
         from batchfit.stats.recommend import curve_points, recommend_batch_size
 
         points, limit = curve_points(throughput)
