@@ -25,6 +25,12 @@ What-ifs:
   on a tie-break the real driver decides.
 * ``no-workspace``: every cuDNN workspace allocation is dropped (what benchmark mode
   off would give, as modelled).
+* ``ideal-allocator``: an allocator that never fragments: a request fails only when the
+  live bytes (each rounded to the allocator's 512 B) would exceed the capacity; a
+  workspace that does not fit is skipped, as in the engine. The least memory any
+  allocator could run the traced tensors in: where a row's answer is under its bracket
+  even so, the card held fewer tensors than traced; where only the engine's answer is
+  under, the replay's fragmentation is what puts it there.
 
 ``--steps N`` (2 by default, as the engine) replays the step N times through one
 allocator; the breakdown stays on the second step.
@@ -47,7 +53,7 @@ from batchfit.device.allocator import AllocatorOutOfMemory  # noqa: E402
 from batchfit.engine.trace import alive_at_end  # noqa: E402
 from batchfit.engine.tracer import Event, EventKind, Phase  # noqa: E402
 
-WHAT_IFS = ("empty-cache", "reverse-addresses", "no-workspace")
+WHAT_IFS = ("empty-cache", "reverse-addresses", "no-workspace", "ideal-allocator")
 
 
 class _Looped(list):
@@ -100,10 +106,46 @@ def install(what_if: str | None, steps: int) -> None:
             return block
 
         allocator_module.CachingAllocator._new_segment = _new_segment
+    if what_if == "ideal-allocator":
+        allocator_module.AllocatorConfig.new_allocator = (
+            lambda self, capacity_bytes=None: IdealAllocator(capacity_bytes, self.round_size))
     if what_if in ("empty-cache", "no-workspace"):
         _WORKSPACE_RULE["what_if"] = what_if
         timeline._fits = _fits
         timeline._replay_cuda = _replay_cuda
+
+
+class IdealAllocator:
+    """No segments, no fragmentation: the live bytes against the capacity (the what-if
+    ``ideal-allocator``). The interface of :class:`batchfit.device.allocator.CachingAllocator`
+    that the replay uses."""
+
+    def __init__(self, capacity_bytes: int | None, round_size) -> None:
+        self.capacity_bytes, self._round = capacity_bytes, round_size
+        self._live: dict[int, int] = {}
+        self._next = 1
+        self.allocated_bytes = self.reserved_bytes = 0
+        self.peak_allocated_bytes = self.peak_reserved_bytes = 0
+
+    def malloc(self, nbytes: int) -> int:
+        size = self._round(nbytes) if nbytes else 0
+        if self.capacity_bytes is not None and self.allocated_bytes + size > self.capacity_bytes:
+            raise AllocatorOutOfMemory(nbytes, size, self.allocated_bytes,
+                                       self.reserved_bytes, self.capacity_bytes)
+        handle, self._next = self._next, self._next + 1
+        self._live[handle] = size
+        self.allocated_bytes += size
+        self.reserved_bytes = self.allocated_bytes
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        self.peak_reserved_bytes = self.peak_allocated_bytes
+        return handle
+
+    def free(self, handle: int) -> None:
+        self.allocated_bytes -= self._live.pop(handle)
+        self.reserved_bytes = self.allocated_bytes
+
+    def empty_cache(self) -> None:
+        """Nothing is cached."""
 
 
 #: which workspace rule ``_run`` applies ("empty-cache" or "no-workspace")

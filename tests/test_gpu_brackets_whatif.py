@@ -47,6 +47,8 @@ def restore_replay(monkeypatch):
         monkeypatch.setattr(timeline, name, getattr(timeline, name))
     monkeypatch.setattr(allocator_module.CachingAllocator, "_new_segment",
                         allocator_module.CachingAllocator._new_segment)
+    monkeypatch.setattr(allocator_module.AllocatorConfig, "new_allocator",
+                        allocator_module.AllocatorConfig.new_allocator)
     monkeypatch.setitem(whatif._WORKSPACE_RULE, "what_if", "")
 
 
@@ -129,3 +131,17 @@ def test_reversed_addresses_break_a_tie_the_other_way(restore_replay):
     assert _tie_winner() == "first"  # the segment cudaMalloc'd first is the lower one
     whatif.install("reverse-addresses", steps=2)
     assert _tie_winner() == "second"
+
+
+def test_ideal_allocator_needs_the_live_peak(restore_replay):
+    # No segments: x (40) is gone before the workspace (12); y (20) and z (30) live
+    # together, 50 MiB, where the engine's replay needed 70 (x's segment split by y).
+    whatif.install("ideal-allocator", steps=2)
+    assert timeline._fits(STEP, DEV, 50 * MiB)
+    assert not timeline._fits(STEP, DEV, 48 * MiB)
+    # the loop changes nothing without fragmentation; a workspace that does not fit is
+    # skipped: at 40 MiB x fits, the 12 MiB workspace fits, then y + z = 50 does not
+    assert timeline.needed_bytes(STEP, DEV) == 50 * MiB
+    skip_ws = [_event(EventKind.ALLOC, 5, 45), _event(EventKind.ALLOC, 6, 10, WS),
+               _event(EventKind.FREE, 6, 10, WS), _event(EventKind.FREE, 5, 45)]
+    assert timeline._fits(skip_ws, DEV, 46 * MiB)  # 45 + 10 > 46: the workspace is skipped
