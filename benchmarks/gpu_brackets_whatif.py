@@ -26,7 +26,8 @@ What-ifs:
 * ``no-workspace``: every cuDNN workspace allocation is dropped (what benchmark mode
   off would give, as modelled).
 * ``ideal-allocator``: an allocator that never fragments: a request fails only when the
-  live bytes (each rounded to the allocator's 512 B) would exceed the capacity; a
+  live bytes (each rounded to the allocator's 512 B; in all, to whole 2 MiB pages) would
+  exceed the capacity; a
   workspace that does not fit is skipped, as in the engine. The least memory any
   allocator could run the traced tensors in: where a row's answer is under its bracket
   even so, the card held fewer tensors than traced; where only the engine's answer is
@@ -115,10 +116,16 @@ def install(what_if: str | None, steps: int) -> None:
         timeline._replay_cuda = _replay_cuda
 
 
+def _pages(nbytes: int) -> int:
+    """``nbytes`` in whole 2 MiB pages (the unit of every segment, and of the capacities
+    the replay checks)."""
+    return -(-nbytes // (2 << 20)) * (2 << 20)
+
+
 class IdealAllocator:
-    """No segments, no fragmentation: the live bytes against the capacity (the what-if
-    ``ideal-allocator``). The interface of :class:`batchfit.device.allocator.CachingAllocator`
-    that the replay uses."""
+    """No fragmentation: the live bytes, in whole 2 MiB pages, against the capacity (the
+    what-if ``ideal-allocator``). The interface of
+    :class:`batchfit.device.allocator.CachingAllocator` that the replay uses."""
 
     def __init__(self, capacity_bytes: int | None, round_size) -> None:
         self.capacity_bytes, self._round = capacity_bytes, round_size
@@ -129,20 +136,21 @@ class IdealAllocator:
 
     def malloc(self, nbytes: int) -> int:
         size = self._round(nbytes) if nbytes else 0
-        if self.capacity_bytes is not None and self.allocated_bytes + size > self.capacity_bytes:
+        reserved = _pages(self.allocated_bytes + size)
+        if self.capacity_bytes is not None and reserved > self.capacity_bytes:
             raise AllocatorOutOfMemory(nbytes, size, self.allocated_bytes,
                                        self.reserved_bytes, self.capacity_bytes)
         handle, self._next = self._next, self._next + 1
         self._live[handle] = size
         self.allocated_bytes += size
-        self.reserved_bytes = self.allocated_bytes
+        self.reserved_bytes = reserved
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
-        self.peak_reserved_bytes = self.peak_allocated_bytes
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, reserved)
         return handle
 
     def free(self, handle: int) -> None:
         self.allocated_bytes -= self._live.pop(handle)
-        self.reserved_bytes = self.allocated_bytes
+        self.reserved_bytes = _pages(self.allocated_bytes)
 
     def empty_cache(self) -> None:
         """Nothing is cached."""
