@@ -239,8 +239,14 @@ def _avg_pool2d_backward_scratch(args: tuple) -> int:
 
 #: A 16-bit matmul with at most this many multiply-adds is measured at its own shape.
 _MATMUL_EXACT_MACS = 1 << 30
-#: A larger one is measured with every matrix dimension cut to this, and at most 2 matrices.
+#: A larger one is measured with K and N cut to this, and at most 2 matrices...
 _MATMUL_DIM_CAP = 1024
+#: ...and M (the rows, the dimension the batch grows) cut to this: past one block of rows
+#: oneDNN's packing buffers stay flat, but the block is the CPU's. On a Xeon with AMX
+#: (``amx_bf16``), (M x 1024) @ (1024 x 512) in bf16 takes 1,053,696 B at M = 512 and
+#: 1,024 and 2,107,008 B at every M from 1,536 to 8,192 (another kernel), so a cut at
+#: 1,024 rows measured half of what the full matmul allocates.
+_MATMUL_ROWS_CAP = 2048
 
 
 def _matmul_scratch(op: Any, args: tuple, a_index: int) -> int:
@@ -258,8 +264,9 @@ def _matmul_scratch(op: Any, args: tuple, a_index: int) -> int:
     test_accuracy_small.py was +4.6% here with M*N*4), so each distinct matmul runs for
     real under the profiler's allocator events, in the layout it has in the trace (a
     transposed operand stays transposed): at its own shape up to
-    :data:`_MATMUL_EXACT_MACS` multiply-adds (a millisecond or two), else with M, K and N
-    cut to :data:`_MATMUL_DIM_CAP` and the batch of a ``bmm`` to 2. A cut measurement
+    :data:`_MATMUL_EXACT_MACS` multiply-adds (a millisecond or two), else with K and N
+    cut to :data:`_MATMUL_DIM_CAP`, M to :data:`_MATMUL_ROWS_CAP` and the batch of a
+    ``bmm`` to 2. A cut measurement
     that holds an output-sized fp32 buffer (at least 0.9 * M * N * 4 bytes) is scaled
     to the real output; a smaller one is a packing buffer and is taken as it is (flat
     beyond one block). The buffers are per matmul, not per matrix of a batch: a ``bmm``
@@ -273,7 +280,7 @@ def _matmul_scratch(op: Any, args: tuple, a_index: int) -> int:
     if count * m * k * n <= _MATMUL_EXACT_MACS:
         return _measured_scratch(op, args, {})
     cap = _MATMUL_DIM_CAP
-    mc, kc, nc = min(m, cap), min(k, cap), min(n, cap)
+    mc, kc, nc = min(m, _MATMUL_ROWS_CAP), min(k, cap), min(n, cap)
     lead = (min(count, 2),) if a.dim() == 3 else ()
     shapes = {a_index: (*lead, mc, kc), a_index + 1: (*lead, kc, nc)}
     if a_index == 1 and isinstance(args[0], torch.Tensor):  # addmm's bias: (N,) or (M, N)
