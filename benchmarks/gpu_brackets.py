@@ -66,7 +66,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "gpu_brackets"
@@ -403,9 +403,11 @@ def predict_row(row: Row, trace_cache: Path | None = None) -> dict[str, Any]:
 
 
 def run_in_child(row: Row, timeout_s: float, trace_cache: Path | None = None,
-                 timm_dir: Path | None = None) -> dict[str, Any]:
-    """``predict_row`` in a forked child (own memory, killed after ``timeout_s``), with the
-    row's timm release from ``timm_dir`` (None: the installed timm)."""
+                 timm_dir: Path | None = None,
+                 predict: Callable[[Row], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``predict_row`` (or ``predict(row)``) in a forked child (own memory, killed after
+    ``timeout_s``), with the row's timm release from ``timm_dir`` (None: the installed
+    timm)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
@@ -415,7 +417,8 @@ def run_in_child(row: Row, timeout_s: float, trace_cache: Path | None = None,
             try:
                 if timm_dir is not None and row.timm_release is not None:
                     use_timm_release(row.timm_release, timm_dir)
-                payload: dict[str, Any] = predict_row(row, trace_cache)
+                payload: dict[str, Any] = (predict(row) if predict is not None
+                                           else predict_row(row, trace_cache))
             except Exception as exc:  # noqa: BLE001 - recorded with the row
                 payload = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
             data = pickle.dumps(payload)
