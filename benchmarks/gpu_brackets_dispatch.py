@@ -28,8 +28,11 @@ substitutes the kernel the target GPU runs, :mod:`batchfit.engine.sdpa`).
 What the reference cannot see: allocations inside kernels (hence left out of the
 engine's side); without a GPU, cuDNN's channels-last output for an NCHW input with a
 channels-last weight (``_select_conv_backend`` picks no cuDNN for fake CUDA tensors
-either); and under ``inference_mode`` the mean and rstd of a LayerNorm, which the fake
-run dispatches as one ``aten.layer_norm`` (2 floats a row, against the output's C).
+either); and under ``inference_mode``, where the fake run dispatches composite ops whole,
+what they make inside: a LayerNorm's mean and rstd (``aten.layer_norm``; 2 floats a row,
+against the output's C) and max pooling's int64 indices (``aten.max_pool2d``; CUDA's one
+max-pool kernel, ``max_pool2d_with_indices_out_cuda`` in DilatedMaxPool2d.cu, writes
+them), both of which the engine counts.
 
 Usage:
     python benchmarks/gpu_brackets_dispatch.py [--batch 8] [--models REGEX]
@@ -175,7 +178,13 @@ def compare_row(row: gpu_brackets.Row, batch: int) -> dict[str, Any]:
     device = gpu_brackets.device_for(row)
     build = functools.partial(gpu_brackets.build_timm, row.model, True)
     shape = (3, row.img_size, row.img_size)
-    trace = trace_step(build, shape, batch, config, device)
+    try:
+        trace = trace_step(build, shape, batch, config, device)
+    except batchfit.ModelSpecError:
+        # constructors that need real tensors (timm 1.0.9's ViTamin), as gpu_brackets
+        # builds them: on the CPU
+        build = functools.partial(gpu_brackets.build_timm_on_cpu, row.model, True)
+        trace = trace_step(build, shape, batch, config, device)
     engine = engine_forward_peak(list(trace.steady_events))
     try:
         model = build_empty(build)
