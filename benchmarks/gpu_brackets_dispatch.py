@@ -47,7 +47,6 @@ import argparse
 import json
 import re
 import sys
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -63,62 +62,35 @@ BELOW_DISPATCH_OPS = ("cudnn workspace", "contiguous input copy")
 
 def fake_cuda_forward_peak(model: Any, input_shape: tuple[int, ...], *,
                            channels_last: bool = False, inference_mode: bool = False,
-                           autocast_dtype: Any = None) -> tuple[int, str, bool]:
-    """The live-bytes peak of ``model``'s forward on fake CUDA tensors, the op at it, and
-    whether the forward called ``F.scaled_dot_product_attention``.
+                           autocast_dtype: Any = None) -> tuple[int, bool]:
+    """The live-bytes peak of ``model``'s forward on fake CUDA tensors, and whether the
+    forward called ``F.scaled_dot_product_attention``.
 
     ``model`` (built on the CPU or on meta; its tensors' values are never read) gets fake
-    CUDA parameters and buffers of the same shapes and dtypes, in place. The peak counts
-    parameters, buffers, the fp32 input and every storage a dispatched op creates while
-    it is alive (views share their base's storage). ``autocast_dtype`` switches torch's
-    CUDA autocast on at the C++ level for the call (the Python context manager refuses
-    without a GPU) and restores it after.
+    CUDA parameters and buffers of the same shapes and dtypes, in place
+    (:func:`batchfit.engine.fake.swap_to_fake`). The peak counts parameters, buffers, the
+    fp32 input and every storage a dispatched op creates while it is alive (views share
+    their base's storage), with the project's live-storage tracker.
+    ``autocast_dtype`` switches torch's CUDA autocast on at the C++ level for the call
+    (the Python context manager refuses without a GPU) and restores it after.
     """
     import torch
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
+
+    from batchfit.engine.fake import swap_to_fake
+    from batchfit.realrun.measure import _StorageTracker
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    swap_to_fake(model, mode, channels_last=channels_last, device="cuda")
     with mode:
-        for module in model.modules():
-            for name, param in list(module._parameters.items()):
-                if param is not None:
-                    module._parameters[name] = torch.nn.Parameter(
-                        _fake_like(param, channels_last), requires_grad=param.requires_grad)
-            for name, buffer in list(module._buffers.items()):
-                if buffer is not None:
-                    module._buffers[name] = _fake_like(buffer, channels_last)
-        x = _fake_like(torch.empty(input_shape, device="meta"), channels_last)
-    base = [*model.parameters(), *model.buffers(), x]
-
-    class LiveStorages(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.live = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in base}
-            self.current = sum(self.live.values())
-            self.peak, self.peak_op = self.current, ""
-
-        def _free(self, key: int) -> None:
-            self.current -= self.live.pop(key)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for tensor in tree_flatten(out)[0]:
-                if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cuda":
-                    continue
-                storage = tensor.untyped_storage()
-                key = storage._cdata
-                if key in self.live:
-                    continue
-                self.live[key] = storage.nbytes()
-                self.current += storage.nbytes()
-                weakref.finalize(storage, self._free, key)
-                if self.current > self.peak:
-                    self.peak, self.peak_op = self.current, str(func)
-            return out
+        x = torch.empty(input_shape, device="cuda")
+        if channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+    tracker = _StorageTracker()
+    for tensor in (*model.parameters(), *model.buffers(), x):
+        tracker.add(tensor.untyped_storage())
 
     class AttentionCalls(TorchFunctionMode):
         called = False
@@ -134,25 +106,14 @@ def fake_cuda_forward_peak(model: Any, input_shape: tuple[int, ...], *,
         if autocast_dtype is not None:
             torch.set_autocast_enabled("cuda", True)
             torch.set_autocast_dtype("cuda", autocast_dtype)
-        with mode, grad_mode:
-            tracker = LiveStorages()
-            with tracker, AttentionCalls():
-                output = model(x)
-            del output
+        with mode, grad_mode, tracker, AttentionCalls():
+            output = model(x)
+        del output
     finally:
         torch.set_autocast_enabled("cuda", enabled)
         torch.set_autocast_dtype("cuda", dtype)
         torch.clear_autocast_cache()
-    return tracker.peak, tracker.peak_op, AttentionCalls.called
-
-
-def _fake_like(tensor: Any, channels_last: bool) -> Any:
-    import torch
-
-    fake = torch.empty(tensor.shape, dtype=tensor.dtype, device="cuda")
-    if channels_last and fake.dim() == 4:
-        fake = fake.contiguous(memory_format=torch.channels_last)
-    return fake
+    return tracker.peak_bytes, AttentionCalls.called
 
 
 def engine_forward_peak(events: list[Any]) -> int:
@@ -169,6 +130,7 @@ def compare_row(row: gpu_brackets.Row, batch: int) -> dict[str, Any]:
     import torch
 
     import batchfit
+    from batchfit.engine.fake import build_on_meta
     from batchfit.engine.spec import Precision
     from batchfit.engine.trace import trace_step
 
@@ -187,26 +149,22 @@ def compare_row(row: gpu_brackets.Row, batch: int) -> dict[str, Any]:
         trace = trace_step(build, shape, batch, config, device)
     engine = engine_forward_peak(list(trace.steady_events))
     try:
-        model = build_empty(build)
-    except Exception:  # noqa: BLE001 - constructors that read tensor values
+        model = build_on_meta(build)
+    except batchfit.ModelSpecError:  # a constructor that reads its tensors' values
         model = gpu_brackets.build_timm_on_cpu(row.model, True)
     model.eval()
     amp = {Precision.AMP_FP16: torch.float16, Precision.AMP_BF16: torch.bfloat16}
-    cuda, cuda_op, uses_sdpa = fake_cuda_forward_peak(
+    cuda, uses_sdpa = fake_cuda_forward_peak(
         model, (batch, *shape), channels_last=config.channels_last,
         inference_mode=config.inference_mode, autocast_dtype=amp.get(config.precision))
-    return {"engine_bytes": engine, "cuda_bytes": cuda, "cuda_peak_op": cuda_op,
+    return {"engine_bytes": engine, "cuda_bytes": cuda,
             "ratio": engine / cuda if cuda else None, "uses_sdpa": uses_sdpa,
             "batch": batch}
 
 
-def build_empty(build: Any) -> Any:
-    """The model with parameters on meta (accelerate's ``init_empty_weights``; buffers
-    stay real, for constructors that compute them), as the engine builds it."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        return build()
+def grad_mode(row: gpu_brackets.Row) -> str:
+    """``inference_mode`` or ``no_grad``, as the row's run used."""
+    return "inference_mode" if gpu_brackets.row_settings(row).get("inference_mode") else "no_grad"
 
 
 def distinct_rows(rows: list[gpu_brackets.Row]) -> list[gpu_brackets.Row]:
@@ -214,8 +172,7 @@ def distinct_rows(rows: list[gpu_brackets.Row]) -> list[gpu_brackets.Row]:
     seen: set[tuple] = set()
     chosen = []
     for row in rows:
-        key = (row.model, row.img_size, row.timm_release, row.layout,
-               gpu_brackets.row_settings(row).get("inference_mode", False))
+        key = (row.model, row.img_size, row.timm_release, row.layout, grad_mode(row))
         if key not in seen:
             seen.add(key)
             chosen.append(row)
@@ -272,9 +229,7 @@ def main(argv: list[str] | None = None) -> None:
             row, args.timeout, timm_dir=gpu_brackets.TIMM_DIR,
             predict=lambda r: compare_row(r, args.batch))
         result.update(key=row.key, model=row.model, img_size=row.img_size,
-                      layout=row.layout, timm=row.timm_release,
-                      grad_mode=("inference_mode" if gpu_brackets.row_settings(row).get("inference_mode")
-                                 else "no_grad"))
+                      layout=row.layout, timm=row.timm_release, grad_mode=grad_mode(row))
         results.append(result)
         with path.open("a") as handle:
             handle.write(json.dumps(result) + "\n")

@@ -44,7 +44,7 @@ def test_linear_under_autocast_counts_every_cast_by_hand() -> None:
     # matmul: the fp32 weight (32*16*4 = 2048 B) and bias (128 B), the input (4*16*4 =
     # 256 B), autocast's fp16 copies of the input (128 B), weight (1024 B, cached for
     # the region) and bias (64 B), and the fp16 output (4*32*2 = 256 B): 3,904 B.
-    peak, _, attention = dispatch.fake_cuda_forward_peak(
+    peak, attention = dispatch.fake_cuda_forward_peak(
         nn.Linear(16, 32), (4, 16), autocast_dtype=torch.float16)
     assert peak == 3904
     assert not attention
@@ -52,7 +52,7 @@ def test_linear_under_autocast_counts_every_cast_by_hand() -> None:
 
 def test_without_autocast_nothing_is_cast() -> None:
     # fp32 throughout: weight 2048 + bias 128 + input 256 + output (4*32*4) 512 = 2,944 B
-    peak, _, _ = dispatch.fake_cuda_forward_peak(nn.Linear(16, 32), (4, 16))
+    peak, _ = dispatch.fake_cuda_forward_peak(nn.Linear(16, 32), (4, 16))
     assert peak == 2944
 
 
@@ -68,7 +68,7 @@ def test_attention_calls_are_reported() -> None:
             q = x.view(x.shape[0], 1, 8, 4)
             return nn.functional.scaled_dot_product_attention(q, q, q)
 
-    assert dispatch.fake_cuda_forward_peak(Attention(), (2, 32))[2]
+    assert dispatch.fake_cuda_forward_peak(Attention(), (2, 32))[1]
 
 
 class NormBlock(nn.Module):
@@ -110,6 +110,6 @@ def test_engine_trace_equals_torchs_cuda_dispatch() -> None:
     device = DeviceProfile.cuda(24 << 30, (8, 9))
     trace = trace_step(NormBlock, (16, 12, 12), 6, config, device)
     engine = dispatch.engine_forward_peak(list(trace.steady_events))
-    cuda, _, _ = dispatch.fake_cuda_forward_peak(
+    cuda, _ = dispatch.fake_cuda_forward_peak(
         NormBlock().eval(), (6, 16, 12, 12), autocast_dtype=torch.float16)
     assert engine == cuda
