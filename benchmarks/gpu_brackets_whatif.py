@@ -6,19 +6,15 @@ run in forked children, which inherit the swap), then runs ``gpu_brackets.py`` w
 remaining arguments. Give the run its own ``--tag`` so that the engine's results are
 not overwritten, and ``--trace-cache`` so that only the replays run again:
 
-    cd benchmarks && python gpu_brackets_whatif.py --what-if empty-cache --steps 3 \\
+    cd benchmarks && python gpu_brackets_whatif.py --what-if no-workspace --steps 3 \\
         --set I --files memory --rows-from results/gpu_brackets/s10_I120.jsonl \\
-        --tag whatif_empty3_I120 --trace-cache /some/dir
+        --tag whatif_nows3_I120 --trace-cache /some/dir
 
 What-ifs:
 
-* ``empty-cache``: torch's cuDNN benchmark mode calls ``emptyCache()`` after each
-  algorithm search, and a search runs at the first call of each convolution shape
-  (``run_single_conv`` in aten/src/ATen/native/cudnn/Conv_v8.cpp, ``findAlgorithms`` in
-  Conv_v7.cpp; ``_cudnn_set_conv_benchmark_empty_cache``, on by default). The replay
-  empties the cache before the first workspace of each size in the first step (the
-  workspace's size stands for the shape; convolutions without a modelled workspace are
-  not marked in the trace).
+* ``empty-cache`` (until this release; now in the engine, keyed by convolution shape and
+  on every convolution torch sends to cuDNN: :mod:`batchfit.engine.cudnn`): its results
+  ``whatif_emptycache*_I120`` are kept for the record.
 * ``reverse-addresses``: each new segment gets an address below the previous ones
   instead of above. The address only breaks ties between free blocks of equal size
   (the source's ``BlockComparatorSize``), so this measures how much the answers depend
@@ -54,13 +50,7 @@ from batchfit.device.allocator import AllocatorOutOfMemory  # noqa: E402
 from batchfit.engine.trace import alive_at_end  # noqa: E402
 from batchfit.engine.tracer import Event, EventKind, Phase  # noqa: E402
 
-WHAT_IFS = ("empty-cache", "reverse-addresses", "no-workspace", "ideal-allocator")
-
-
-class _Looped(list):
-    """Looped events that know where the first step ends."""
-
-    first_step_end: int
+WHAT_IFS = ("reverse-addresses", "no-workspace", "ideal-allocator")
 
 
 def _repeat_last_step(looped: list[Event], step_start: int) -> list[Event]:
@@ -85,13 +75,14 @@ def install(what_if: str | None, steps: int) -> None:
         looped, mapping = engine_loop(events)
         setup_end = next((i for i, e in enumerate(events) if e.phase is not Phase.SETUP),
                          len(events))
-        step_len = len(events) - setup_end
-        first_step_end = len(looped) - step_len
+        # the second step: what loop_events copies of the first (its own storages and
+        # retags; not the frees of setup storages, nor the search marks)
+        step = events[setup_end:]
+        owned = {e.key for e in step if e.kind is EventKind.ALLOC}
+        step_len = sum(1 for e in step if e.key in owned or e.kind is EventKind.RETAG)
         for _ in range(steps - 2):
             looped = _repeat_last_step(looped, len(looped) - step_len)
-        out = _Looped(looped)
-        out.first_step_end = first_step_end
-        return out, mapping
+        return looped, mapping
 
     timeline.loop_events = loop_events
     if what_if == "reverse-addresses":
@@ -110,7 +101,7 @@ def install(what_if: str | None, steps: int) -> None:
     if what_if == "ideal-allocator":
         allocator_module.AllocatorConfig.new_allocator = (
             lambda self, capacity_bytes=None: IdealAllocator(capacity_bytes, self.round_size))
-    if what_if in ("empty-cache", "no-workspace"):
+    if what_if == "no-workspace":
         _WORKSPACE_RULE["what_if"] = what_if
         timeline._fits = _fits
         timeline._replay_cuda = _replay_cuda
@@ -156,28 +147,29 @@ class IdealAllocator:
         """Nothing is cached."""
 
 
-#: which workspace rule ``_run`` applies ("empty-cache" or "no-workspace")
+#: which workspace rule ``_run`` applies ("no-workspace" or none)
 _WORKSPACE_RULE = {"what_if": ""}
 
 
 def _run(events, device, capacity, record=None, skipped=None) -> None:
-    """The replay with the what-if's workspace rule; raises AllocatorOutOfMemory."""
+    """The replay with the what-if's workspace rule (the engine's search marks as in
+    ``timeline._fits``); raises AllocatorOutOfMemory."""
     allocator = device.allocator.new_allocator(capacity)
     handles: dict[int, int] = {}
-    first_step_end = getattr(events, "first_step_end", len(events))
     searched: set[int] = set()
     if device.workspace_bytes:
         allocator.malloc(device.workspace_bytes)
-    for index, event in enumerate(events):
-        if event.kind is EventKind.ALLOC:
+    for event in events:
+        if event.kind is EventKind.EMPTY_CACHE:
+            if event.key not in searched:
+                searched.add(event.key)
+                allocator.empty_cache()
+        elif event.kind is EventKind.ALLOC:
             workspace = timeline.is_fallible(event)
             if workspace and _WORKSPACE_RULE["what_if"] == "no-workspace":
                 if skipped is not None:
                     skipped.add(event.key)
             else:
-                if workspace and event.nbytes not in searched and index < first_step_end:
-                    searched.add(event.nbytes)
-                    allocator.empty_cache()
                 try:
                     handles[event.key] = allocator.malloc(event.nbytes)
                 except AllocatorOutOfMemory:

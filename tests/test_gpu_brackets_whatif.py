@@ -60,29 +60,6 @@ def test_the_engine_splits_the_cached_segment_and_needs_70_mib(restore_replay):
     assert not timeline._fits(STEP, DEV, 68 * MiB)
 
 
-def test_empty_cache_before_the_first_workspace_needs_only_the_live_50_mib(restore_replay):
-    # cuDNN's benchmark search empties the cache (Conv_v8.cpp run_single_conv): x's 40 MiB
-    # segment is released, the workspace gets a 12 MiB segment of its own, y (20) does not
-    # fit it and gets 20; z (30) fails at 62 > 50, the wholly free 12 MiB segment is
-    # released and the retry fits: 20 + 30 = 50 MiB.
-    whatif.install("empty-cache", steps=2)
-    assert timeline._fits(STEP, DEV, 50 * MiB)
-    assert not timeline._fits(STEP, DEV, 48 * MiB)
-
-
-def test_empty_cache_happens_in_the_first_step_only(restore_replay):
-    # Looped, the second step's workspace finds the cache as the first step left it (no
-    # search, no emptyCache). Whatever the first step leaves cached (20, 30 and perhaps
-    # the workspace's 12 MiB segment), x (40) fits none of it: cudaMalloc(40) over the
-    # capacity releases them all and x gets 40. The workspace (12) and then y (20) split
-    # x's block as in the engine, and z (30) needs 40 + 30 = 70 MiB.
-    whatif.install("empty-cache", steps=2)
-    looped, _ = timeline.loop_events(STEP)
-    assert looped.first_step_end == len(STEP)  # no leftovers: every storage is freed
-    assert timeline._fits(looped, DEV, 70 * MiB)
-    assert not timeline._fits(looped, DEV, 68 * MiB)
-
-
 def test_three_steps_repeat_the_last_step_with_new_keys(restore_replay):
     whatif.install(None, steps=3)
     looped, _ = timeline.loop_events(STEP)

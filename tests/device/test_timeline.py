@@ -185,3 +185,34 @@ def test_with_fallible_workspaces_more_room_can_fail_and_the_answer_is_above_eve
     # the least capacity above which every capacity fits (checked one by one here).
     assert needed_bytes(TWO_CONVS, DEV) == 36 * MiB
     assert all(fits_within(TWO_CONVS, DEV, mib * MiB) for mib in range(36, 80, 2))
+
+
+def _search(key: int) -> Event:
+    return Event(EventKind.EMPTY_CACHE, key, 0, Category.TEMPORARIES, "m",
+                 "cudnn benchmark search (aten.convolution.default)", Phase.FORWARD)
+
+
+# a (30 MiB) is freed; a convolution searches (key -5); b (10) and c (30) live together;
+# both free; the same shape again (no search: torch's benchmark cache has it); d (20).
+SEARCH_STEP = [_alloc(1, 30), _free(1, 30), _search(-5), _alloc(2, 10), _alloc(3, 30),
+               _free(2, 10), _free(3, 30), _search(-5), _alloc(4, 20), _free(4, 20)]
+
+
+def test_the_first_search_of_a_shape_empties_the_cache_and_the_second_does_not():
+    # With the search: a's free 30 MiB segment goes back to the driver; b gets its own
+    # 10 MiB segment (>= 10 MiB: its size), c its own 30: 40 MiB. The second mark empties
+    # nothing (reserved stays 40); d (20) splits c's cached 30 MiB block. At 38 MiB c's
+    # cudaMalloc fails with nothing wholly free: 40 is the least capacity.
+    timeline = replay_events(SEARCH_STEP, DEV, loop=False)
+    assert needed_bytes(SEARCH_STEP, DEV, loop=False) == 40 * MiB
+    assert timeline.reserved_bytes[2] == 0 and timeline.reserved_bytes[7] == 40 * MiB
+    # Without it, b (10) splits a's cached 30 MiB block (20 MiB > 1 MiB remains); c (30)
+    # needs a new segment and nothing is wholly free to release: 30 + 30 = 60 MiB.
+    plain = [e for e in SEARCH_STEP if e.kind is not EventKind.EMPTY_CACHE]
+    assert needed_bytes(plain, DEV, loop=False) == 60 * MiB
+    # In a loop the second step has no search (the algorithm is cached): it runs on the
+    # first step's 10 and 30 MiB segments (a takes the 30, then b and c their own): 40.
+    looped, mapping = loop_events(SEARCH_STEP)
+    assert [e.kind for e in looped].count(EventKind.EMPTY_CACHE) == 2
+    assert len(mapping) == len(SEARCH_STEP)
+    assert needed_bytes(SEARCH_STEP, DEV) == 40 * MiB

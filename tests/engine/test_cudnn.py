@@ -163,3 +163,68 @@ def test_trace_allocates_the_input_copy_at_the_convolution():
     assert conv[:3] == [(EventKind.ALLOC, "contiguous input copy (aten.convolution.default)"),
                         (EventKind.ALLOC, "aten.convolution.default"),
                         (EventKind.FREE, "contiguous input copy (aten.convolution.default)")]
+
+
+class _SearchNet(nn.Module):
+    """c1 and c2 share one shape (one entry of torch's benchmark cache); dw is a 7x7
+    depthwise convolution on 16 channels, which torch runs natively in NCHW
+    (Convolution.cpp ``use_cudnn_depthwise``: fewer than 32 channels) and on cuDNN in
+    channels-last ("always use cudnn_depthwise for channels_last format")."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0 = nn.Conv2d(3, 16, 3, padding=1)
+        self.c1 = nn.Conv2d(16, 16, 3, padding=1)
+        self.c2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.dw = nn.Conv2d(16, 16, 7, padding=3, groups=16)
+
+    def forward(self, x):
+        return self.dw(self.c2(self.c1(self.c0(x))))
+
+
+def _searches(config):
+    device = batchfit.DeviceProfile.cuda(24 << 30, (8, 9))
+    events = trace_step(_SearchNet, (3, 32, 32), 8, config, device).steady_events
+    return events, [e for e in events if e.kind is EventKind.EMPTY_CACHE]
+
+
+def test_each_cudnn_convolution_marks_the_search_that_empties_the_cache():
+    # Conv_v8.cpp run_single_conv (torch >= 2.0): with benchmark on, a shape not in the
+    # benchmark cache is searched, then emptyCache(), then the kept plan's workspace.
+    config = TrainConfig(mode="infer", precision="amp-fp16", cudnn_benchmark=True,
+                         stack="torch2.4+cu124")
+    events, marks = _searches(config)
+    assert [(e.module, e.op, e.nbytes) for e in marks] == [
+        (m, f"cudnn benchmark search ({CONV})", 0) for m in ("c0", "c1", "c2")]
+    assert marks[1].key == marks[2].key != marks[0].key  # c1 and c2: one cache entry
+    assert all(e.key < -1 for e in marks)  # never a storage's key
+    # the mark comes after the convolution's output and just before its workspace
+    for mark in marks:
+        at = events.index(mark)
+        assert events[at - 1].op == CONV and events[at - 1].kind is EventKind.ALLOC
+        assert events[at + 1].op == f"cudnn workspace ({CONV})"
+
+
+def test_channels_last_convolutions_are_searched_without_a_workspace():
+    # NHWC needs no transposition (no workspace modelled), but cuDNN still searches each
+    # shape, the depthwise one included (cuDNN in channels-last): four marks, two keys
+    # shared by c1 and c2.
+    config = TrainConfig(mode="infer", precision="amp-fp16", cudnn_benchmark=True,
+                         channels_last=True, stack="torch2.4+cu124")
+    events, marks = _searches(config)
+    assert [e.module for e in marks] == ["c0", "c1", "c2", "dw"]
+    assert len({e.key for e in marks}) == 3
+    assert not [e for e in events if e.op.startswith("cudnn workspace")]
+
+
+def test_no_search_marks_without_benchmark_or_on_the_v7_path():
+    # Benchmark off: heuristics, no search. torch < 2.0 (Conv_v7.cpp findAlgorithms)
+    # empties the cache while its search workspace is still held (pytorch/pytorch#50190),
+    # which is not modelled, so no marks there either; the workspaces stay.
+    off = TrainConfig(mode="infer", precision="amp-fp16", stack="torch2.4+cu124")
+    v7 = TrainConfig(mode="infer", precision="amp-fp16", cudnn_benchmark=True,
+                     stack="torch1.12+cu113")
+    assert not _searches(off)[1]
+    events, marks = _searches(v7)
+    assert not marks
+    assert len([e for e in events if e.op == f"cudnn workspace ({CONV})"]) == 6

@@ -40,6 +40,16 @@ memory format its backend runs in (:func:`input_copy_bytes`, ``input.contiguous(
 Convolution.cpp ``_convolution``): a transient of the input's size, op
 ``contiguous input copy (aten.convolution.default)``.
 
+The search itself, on torch >= 2.0 (:attr:`batchfit.engine.stack.Stack.
+cudnn_search_empties_cache`), ends with ``emptyCache()``: every cached segment with no
+live block goes back to the driver before the kept plan's workspace is allocated. It
+runs at the first call of each convolution shape in the process (``BenchmarkCache``,
+keyed by :func:`search_key`), on every convolution torch sends to cuDNN (channels-last,
+float32 and depthwise ones included, whatever their workspace here). The trace marks
+every such call with an ``EMPTY_CACHE`` event just before the workspace; the replay
+empties its cache at the first mark of each key in the first step it runs, and the
+loop's later steps have none (the algorithm is cached).
+
 The workspace enters the allocator replay as one allocation freed right away, placed
 after the convolution's outputs (torch allocates the output, then the workspace inside
 the call), tagged ``temporaries`` with the op ``cudnn workspace (<op>)``. The replay
@@ -60,6 +70,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -153,6 +164,19 @@ def input_copy_bytes(op: str, args: tuple, stack: Any) -> int:
     else:
         memory_format = torch.contiguous_format
     return 0 if x.is_contiguous(memory_format=memory_format) else _nbytes(x)
+
+
+def search_key(op: str, args: tuple) -> int:
+    """A key equal for two convolution calls that share one entry of torch's benchmark
+    cache, and so one algorithm search (Conv_v8.cpp ``setCacheKey``: the operation, the
+    input's and weight's sizes, strides and dtype, padding, stride, dilation, groups).
+    Negative, so it never equals a storage's key in a trace."""
+    tensors = tuple((tuple(t.shape), tuple(t.stride()), str(t.dtype)) for t in args
+                    if isinstance(t, torch.Tensor))
+    rest = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in args
+                 if not isinstance(a, torch.Tensor) and a is not None)
+    digest = hashlib.blake2b(repr((op, tensors, rest)).encode(), digest_size=6).digest()
+    return -2 - int.from_bytes(digest, "big")
 
 
 def is_routed_to_cudnn(op: str, args: tuple, stack: Any) -> bool:

@@ -271,6 +271,25 @@ class Stack:
         return self.torch_version < (2, 0)
 
     @property
+    def cudnn_search_empties_cache(self) -> bool:
+        """In benchmark mode, the caching allocator's cache is emptied after each cuDNN
+        algorithm search, and the effect is modelled (torch >= 2.0, the v8 API path).
+
+        ``run_single_conv`` in aten/src/ATen/native/cudnn/Conv_v8.cpp: after
+        ``get_plans_from_find`` (whose timing workspace is freed when it returns), "Replicate
+        v7 behavior: clear cached blocks as benchmark incurs significant memory
+        consumption" calls ``CUDACachingAllocator::emptyCache()`` when
+        ``_cudnn_get_conv_benchmark_empty_cache()`` (true unless
+        ``torch._C._cudnn_set_conv_benchmark_empty_cache(False)``, the switch
+        pytorch/pytorch#101038 added in 2023 for CUDA-graph warm-up), then ``try_plans``
+        allocates the kept plan's workspace. The v7 path (torch < 2.0, ``findAlgorithms``
+        in Conv_v7.cpp) empties the cache too, but while the search's own workspace, the
+        largest algorithm's that fits, is still held (pytorch/pytorch#50190), so that
+        block stays cached afterwards; its size is cuDNN's and is not modelled, so neither
+        is the emptying on those stacks."""
+        return self.torch_version >= (2, 0)
+
+    @property
     def efficient_attention_chunks_batch(self) -> bool:
         """Memory-efficient attention's forward runs a batch past the grid limit in pieces
         (torch >= 2.8): pytorch/pytorch#154029 ("SDPA fix memory efficient attention for

@@ -591,7 +591,7 @@ def alive_at_end(events: Sequence[Event]) -> tuple[Event, ...]:
             category[event.key] = event.category
         elif event.kind is EventKind.FREE:
             alive.pop(event.key, None)
-        else:
+        elif event.kind is EventKind.RETAG:
             category[event.key] = event.category
     return tuple(Event(EventKind.ALLOC, e.key, e.nbytes, category[e.key], e.module, e.op,
                        e.phase) for e in alive.values())

@@ -34,6 +34,7 @@ from batchfit.engine.cudnn import (
     benchmark_workspace_bytes,
     input_copy_bytes,
     is_routed_to_cudnn,
+    search_key,
 )
 from batchfit.engine.kernels import (
     decomposition_for,
@@ -87,6 +88,9 @@ class EventKind(IntEnum):
     ALLOC = 0
     FREE = 1
     RETAG = 2  # the storage changes category (a temporary becomes a gradient)
+    #: the caching allocator empties its cache here if this is the first event with this
+    #: key in the step (a cuDNN benchmark search: engine/cudnn.py); no storage, 0 bytes
+    EMPTY_CACHE = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,6 +397,11 @@ class Tracer:
                              where: str) -> None:
         """A benchmarked cuDNN convolution's workspace: allocated and freed in the call."""
         routed = is_routed_to_cudnn(name, args, self._stack)
+        if routed and self._stack.cudnn_search_empties_cache:
+            # the algorithm search that ends in emptyCache(), if this shape has none yet
+            self.events.append(Event(EventKind.EMPTY_CACHE, search_key(name, args), 0,
+                                     Category.TEMPORARIES, where,
+                                     f"cudnn benchmark search ({name})", self.phase))
         nbytes = benchmark_workspace_bytes(name, args, outputs, self._cudnn_benchmark, routed,
                                            splits_batch=self._stack.cudnn_splits_batch)
         if nbytes > 0:
