@@ -29,8 +29,9 @@ What-ifs:
   even so, the card held fewer tensors than traced; where only the engine's answer is
   under, the replay's fragmentation is what puts it there.
 
-``--steps N`` (2 by default, as the engine) replays the step N times through one
-allocator; the breakdown stays on the second step.
+``--steps N`` replays the step N times through one allocator (at least the engine's
+:func:`batchfit.device.timeline.loop_steps`: 2, or 3 after a first step with cuDNN
+searches); the breakdown stays on the engine's last step.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def install(what_if: str | None, steps: int) -> None:
         step = events[setup_end:]
         owned = {e.key for e in step if e.kind is EventKind.ALLOC}
         step_len = sum(1 for e in step if e.key in owned or e.kind is EventKind.RETAG)
-        for _ in range(steps - 2):
+        for _ in range(steps - timeline.loop_steps(step)):
             looped = _repeat_last_step(looped, len(looped) - step_len)
         return looped, mapping
 

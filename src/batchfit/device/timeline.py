@@ -7,7 +7,8 @@ allocator model (:mod:`batchfit.device.allocator`), so the peak is *reserved* me
 with the cuBLAS workspace held from the start and the CUDA context added on top.
 
 A steady step on CUDA is replayed the way a loop runs it (:func:`loop_events`): the
-step, then the step again in the same allocator. The caching allocator keeps every
+step, then the step again in the same allocator (and a third time after a first step
+whose cuDNN searches empty the cache: :func:`loop_steps`). The caching allocator keeps every
 segment the first step cudaMalloc'd; the second step's requests are served from those
 cached blocks by best fit and split, and can fragment them where the first step, on an
 empty allocator, got exact segments. The capacity a loop needs is what the second
@@ -73,19 +74,30 @@ class Timeline:
         }
 
 
+def loop_steps(events: Sequence[Event]) -> int:
+    """How many times :func:`loop_events` runs the step: until a step runs on the cache of
+    a step with the same events. Without cuDNN search marks every step is alike, so the
+    second is steady (a third gives the same answers: README, "Real GPUs"). A step with
+    marks empties the cache at its searches, which only the first step runs; the second
+    then runs on that emptied layout and differs from the third, which runs on the
+    second's: three."""
+    return 3 if any(e.kind is EventKind.EMPTY_CACHE for e in events) else 2
+
+
 def loop_events(events: Sequence[Event]) -> tuple[list[Event], list[int]]:
-    """The steady step twice, as a training or inference loop runs it through one allocator.
+    """The steady step as a training or inference loop runs it through one allocator:
+    :func:`loop_steps` times.
 
     The leading setup events (parameters, buffers, inputs, optimizer state) happen once;
     then the step; then whatever the step allocated and left alive is freed, as the
     next iteration does (``zero_grad(set_to_none=True)`` drops the gradients, rebinding
-    ``loss``/``output`` drops those); then the step again, with new keys. The second step
-    has no ``EMPTY_CACHE`` marks: the algorithm searches they stand for ran in the first
+    ``loss``/``output`` drops those); then the step again, with new keys. Only the first
+    step has ``EMPTY_CACHE`` marks: the algorithm searches they stand for ran there
     (torch's benchmark cache keeps their result for the process).
 
     Returns:
         The looped events, and for each event of ``events`` the index of its counterpart
-        in them (setup events: the only copy; step events: the second step's).
+        in them (setup events: the only copy; step events: the last step's).
     """
     setup_end = 0
     while setup_end < len(events) and events[setup_end].phase is Phase.SETUP:
@@ -95,19 +107,22 @@ def loop_events(events: Sequence[Event]) -> tuple[list[Event], list[int]]:
         return list(events), list(range(len(events)))
     owned = {e.key for e in step if e.kind is EventKind.ALLOC}
     offset = 1 + max(max(owned, default=0), max((e.key for e in events), default=0))
-    leftovers = [Event(EventKind.FREE, e.key, e.nbytes, e.category, e.module, "", e.phase)
-                 for e in alive_at_end(step) if e.key in owned]
-    looped = setup + step + leftovers
-    mapping = list(range(setup_end))
-    for event in step:
-        if event.key in owned or event.kind is EventKind.RETAG:
-            mapping.append(len(looped))
-            key = event.key + offset if event.key in owned else event.key
-            looped.append(Event(event.kind, key, event.nbytes, event.category, event.module,
-                                event.op, event.phase))
-        else:  # frees a setup allocation (the second step finds it gone already), or a
-            # search mark (the second step has none)
-            mapping.append(len(looped) - 1)
+    left_alive = [e for e in alive_at_end(step) if e.key in owned]
+    looped = setup + step
+    mapping = list(range(len(events)))
+    for copy in range(1, loop_steps(step)):
+        looped.extend(Event(EventKind.FREE, e.key + offset * (copy - 1), e.nbytes, e.category,
+                            e.module, "", e.phase) for e in left_alive)
+        mapping = list(range(setup_end))
+        for event in step:
+            if event.key in owned or event.kind is EventKind.RETAG:
+                mapping.append(len(looped))
+                key = event.key + offset * copy if event.key in owned else event.key
+                looped.append(Event(event.kind, key, event.nbytes, event.category,
+                                    event.module, event.op, event.phase))
+            else:  # frees a setup allocation (a later step finds it gone already), or a
+                # search mark (a later step has none)
+                mapping.append(len(looped) - 1)
     return looped, mapping
 
 
@@ -123,7 +138,7 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10,
     The breakdown is taken at the peak of allocated memory, where the slack
     is the needed reserved memory less what is allocated then. With ``loop`` (a steady
     step on CUDA) the step is replayed as a loop runs it (:func:`loop_events`) and the
-    timeline is the second step's, on the first step's cached segments.
+    timeline is the last step's, on the cached segments of the steps before it.
     """
     if not events:
         return Timeline((), (), (), 0, 0, -1, {}, (), Phase.SETUP, "", "")
