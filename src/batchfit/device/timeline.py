@@ -11,8 +11,8 @@ step, then the step again in the same allocator (and a third time after a first 
 whose cuDNN searches empty the cache: :func:`loop_steps`). The caching allocator keeps every
 segment the first step cudaMalloc'd; the second step's requests are served from those
 cached blocks by best fit and split, and can fragment them where the first step, on an
-empty allocator, got exact segments. The capacity a loop needs is what the second
-step, on the first step's cache, needs (with cudaMalloc's free-and-retry); across the
+empty allocator, got exact segments. The capacity a loop needs is what its steps,
+each on the cache of the steps before it, need (with cudaMalloc's free-and-retry); across the
 dev set's inference steps this is the same as one step for most models and 8-30%
 more for some (xception, rexnet, regnetz_b16_evos, xcit, tiny_vit, BiT ResNetV2).
 """
@@ -76,11 +76,12 @@ class Timeline:
 
 def loop_steps(events: Sequence[Event]) -> int:
     """How many times :func:`loop_events` runs the step: until a step runs on the cache of
-    a step with the same events. Without cuDNN search marks every step is alike, so the
-    second is steady (a third gives the same answers: README, "Real GPUs"). A step with
-    marks empties the cache at its searches, which only the first step runs; the second
-    then runs on that emptied layout and differs from the third, which runs on the
-    second's: three."""
+    a step with the same events. Without cuDNN search marks every step is alike: two
+    (on the dev set's 120-row sample a third changed no answer: README, "Real GPUs"). A
+    step with marks empties the cache at its searches, which only the first step runs;
+    the second then runs on that emptied layout, the third on the second's: three.
+    Neither is a fixed point in general: a later step can need more
+    (tests/device/test_timeline.py has a step that needs more in its third run)."""
     return 3 if any(e.kind is EventKind.EMPTY_CACHE for e in events) else 2
 
 
