@@ -31,7 +31,7 @@ What-ifs:
 
 ``--steps N`` replays the step N times through one allocator (at least the engine's
 :func:`batchfit.device.timeline.loop_steps`: 2, or 3 after a first step with cuDNN
-searches); the breakdown stays on the engine's last step.
+searches); the timeline is the last step's.
 """
 
 from __future__ import annotations
@@ -48,24 +48,9 @@ import gpu_brackets  # noqa: E402
 from batchfit.device import allocator as allocator_module  # noqa: E402
 from batchfit.device import timeline  # noqa: E402
 from batchfit.device.allocator import AllocatorOutOfMemory  # noqa: E402
-from batchfit.engine.trace import alive_at_end  # noqa: E402
-from batchfit.engine.tracer import Event, EventKind, Phase  # noqa: E402
+from batchfit.engine.tracer import Event, EventKind  # noqa: E402
 
 WHAT_IFS = ("reverse-addresses", "no-workspace", "ideal-allocator")
-
-
-def _repeat_last_step(looped: list[Event], step_start: int) -> list[Event]:
-    """``looped`` plus its last step once more, with new keys (as ``loop_events`` does)."""
-    step = looped[step_start:]
-    owned = {e.key for e in step if e.kind is EventKind.ALLOC}
-    offset = 1 + max(e.key for e in looped)
-    out = list(looped)
-    out.extend(Event(EventKind.FREE, e.key, e.nbytes, e.category, e.module, "", e.phase)
-               for e in alive_at_end(step) if e.key in owned)
-    for e in step:
-        key = e.key + offset if e.key in owned else e.key
-        out.append(Event(e.kind, key, e.nbytes, e.category, e.module, e.op, e.phase))
-    return out
 
 
 def install(what_if: str | None, steps: int) -> None:
@@ -73,17 +58,7 @@ def install(what_if: str | None, steps: int) -> None:
     engine_loop = timeline.loop_events
 
     def loop_events(events: Sequence[Event]):
-        looped, mapping = engine_loop(events)
-        setup_end = next((i for i, e in enumerate(events) if e.phase is not Phase.SETUP),
-                         len(events))
-        # the second step: what loop_events copies of the first (its own storages and
-        # retags; not the frees of setup storages, nor the search marks)
-        step = events[setup_end:]
-        owned = {e.key for e in step if e.kind is EventKind.ALLOC}
-        step_len = sum(1 for e in step if e.key in owned or e.kind is EventKind.RETAG)
-        for _ in range(steps - timeline.loop_steps(step)):
-            looped = _repeat_last_step(looped, len(looped) - step_len)
-        return looped, mapping
+        return engine_loop(events, max(steps, timeline.loop_steps(events)))
 
     timeline.loop_events = loop_events
     if what_if == "reverse-addresses":

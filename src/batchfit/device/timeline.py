@@ -85,9 +85,10 @@ def loop_steps(events: Sequence[Event]) -> int:
     return 3 if any(e.kind is EventKind.EMPTY_CACHE for e in events) else 2
 
 
-def loop_events(events: Sequence[Event]) -> tuple[list[Event], list[int]]:
+def loop_events(events: Sequence[Event], steps: int | None = None
+                ) -> tuple[list[Event], list[int]]:
     """The steady step as a training or inference loop runs it through one allocator:
-    :func:`loop_steps` times.
+    :func:`loop_steps` times (or ``steps`` times, for experiments).
 
     The leading setup events (parameters, buffers, inputs, optimizer state) happen once;
     then the step; then whatever the step allocated and left alive is freed, as the
@@ -111,7 +112,7 @@ def loop_events(events: Sequence[Event]) -> tuple[list[Event], list[int]]:
     left_alive = [e for e in alive_at_end(step) if e.key in owned]
     looped = setup + step
     mapping = list(range(len(events)))
-    for copy in range(1, loop_steps(step)):
+    for copy in range(1, loop_steps(step) if steps is None else steps):
         looped.extend(Event(EventKind.FREE, e.key + offset * (copy - 1), e.nbytes, e.category,
                             e.module, "", e.phase) for e in left_alive)
         mapping = list(range(setup_end))

@@ -395,7 +395,8 @@ class Tracer:
 
     def _add_cudnn_workspace(self, name: str, args: tuple, outputs: list[torch.Tensor],
                              where: str) -> None:
-        """A benchmarked cuDNN convolution's workspace: allocated and freed in the call."""
+        """A benchmarked cuDNN convolution's search mark (torch >= 2.0) and workspace,
+        allocated and freed in the call."""
         routed = is_routed_to_cudnn(name, args, self._stack)
         if routed and self._stack.cudnn_search_empties_cache:
             # the algorithm search that ends in emptyCache(), if this shape has none yet
