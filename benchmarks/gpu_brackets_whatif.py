@@ -29,9 +29,9 @@ What-ifs:
   even so, the card held fewer tensors than traced; where only the engine's answer is
   under, the replay's fragmentation is what puts it there.
 
-``--steps N`` replays the step N times through one allocator (at least the engine's
-:func:`batchfit.device.timeline.loop_steps`: 2, or 3 after a first step with cuDNN
-searches); the timeline is the last step's.
+``--steps N`` replays the step exactly N times through one allocator instead of the
+engine's rule (:func:`batchfit.device.timeline.loop_steps`: until the allocator repeats
+a state); the timeline is the last step's.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,14 +54,22 @@ from batchfit.engine.tracer import Event, EventKind  # noqa: E402
 WHAT_IFS = ("reverse-addresses", "no-workspace", "ideal-allocator")
 
 
-def install(what_if: str | None, steps: int) -> None:
+def install(what_if: str | None, steps: int | None) -> None:
     """Swap the replay's pieces for this process."""
-    engine_loop = timeline.loop_events
+    engine_loop = timeline._loop
+    no_workspace = what_if == "no-workspace"
 
-    def loop_events(events: Sequence[Event]):
-        return engine_loop(events, max(steps, timeline.loop_steps(events)))
+    def _loop(events: Sequence[Event], device, capacity, steps_=None, record=None,
+              skipped=None):
+        if no_workspace:  # each workspace asks for nothing (the event count stays)
+            if skipped is not None:
+                skipped.update(e.key for e in events if timeline.is_fallible(e))
+            events = [replace(e, nbytes=0) if e.kind is EventKind.ALLOC
+                      and timeline.is_fallible(e) else e for e in events]
+        return engine_loop(events, device, capacity, steps if steps_ is None else steps_,
+                           record, skipped)
 
-    timeline.loop_events = loop_events
+    timeline._loop = _loop
     if what_if == "reverse-addresses":
         engine_new_segment = allocator_module.CachingAllocator._new_segment
 
@@ -77,10 +86,6 @@ def install(what_if: str | None, steps: int) -> None:
     if what_if == "ideal-allocator":
         allocator_module.AllocatorConfig.new_allocator = (
             lambda self, capacity_bytes=None: IdealAllocator(capacity_bytes, self.round_size))
-    if what_if == "no-workspace":
-        _WORKSPACE_RULE["what_if"] = what_if
-        timeline._fits = _fits
-        timeline._replay_cuda = _replay_cuda
 
 
 def _pages(nbytes: int) -> int:
@@ -122,67 +127,18 @@ class IdealAllocator:
     def empty_cache(self) -> None:
         """Nothing is cached."""
 
-
-#: which workspace rule ``_run`` applies ("no-workspace" or none)
-_WORKSPACE_RULE = {"what_if": ""}
-
-
-def _run(events, device, capacity, record=None, skipped=None) -> None:
-    """The replay with the what-if's workspace rule (the engine's search marks as in
-    ``timeline._fits``); raises AllocatorOutOfMemory."""
-    allocator = device.allocator.new_allocator(capacity)
-    handles: dict[int, int] = {}
-    searched: set[int] = set()
-    if device.workspace_bytes:
-        allocator.malloc(device.workspace_bytes)
-    for event in events:
-        if event.kind is EventKind.EMPTY_CACHE:
-            if event.key not in searched:
-                searched.add(event.key)
-                allocator.empty_cache()
-        elif event.kind is EventKind.ALLOC:
-            workspace = timeline.is_fallible(event)
-            if workspace and _WORKSPACE_RULE["what_if"] == "no-workspace":
-                if skipped is not None:
-                    skipped.add(event.key)
-            else:
-                try:
-                    handles[event.key] = allocator.malloc(event.nbytes)
-                except AllocatorOutOfMemory:
-                    if not workspace:
-                        raise
-                    if skipped is not None:
-                        skipped.add(event.key)
-        elif event.kind is EventKind.FREE:
-            handle = handles.pop(event.key, None)
-            if handle is not None:
-                allocator.free(handle)
-        if record is not None:
-            record[0].append(allocator.allocated_bytes)
-            record[1].append(allocator.reserved_bytes)
-
-
-def _fits(events, device, capacity) -> bool:
-    try:
-        _run(events, device, capacity)
-    except AllocatorOutOfMemory:
-        return False
-    return True
-
-
-def _replay_cuda(events, device, capacity, skipped=None):
-    record: tuple[list[int], list[int]] = ([], [])
-    _run(events, device, capacity, record, skipped)
-    return record
+    def layout(self, owners) -> tuple:
+        """Nothing is cached, so every step starts alike."""
+        return ()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--what-if", choices=WHAT_IFS)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None)
     args, rest = parser.parse_known_args(argv)
-    if args.steps < 2:
-        parser.error("--steps must be at least 2")
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be at least 1")
     if "--tag" not in rest:
         parser.error("give the run its own --tag")
     install(args.what_if, args.steps)

@@ -43,13 +43,11 @@ STEP = [_event(EventKind.ALLOC, 1, 40), _event(EventKind.FREE, 1, 40),
 @pytest.fixture
 def restore_replay(monkeypatch):
     """Each test installs a what-if; put the engine's pieces back afterwards."""
-    for name in ("loop_events", "_fits", "_replay_cuda"):
-        monkeypatch.setattr(timeline, name, getattr(timeline, name))
+    monkeypatch.setattr(timeline, "_loop", timeline._loop)
     monkeypatch.setattr(allocator_module.CachingAllocator, "_new_segment",
                         allocator_module.CachingAllocator._new_segment)
     monkeypatch.setattr(allocator_module.AllocatorConfig, "new_allocator",
                         allocator_module.AllocatorConfig.new_allocator)
-    monkeypatch.setitem(whatif._WORKSPACE_RULE, "what_if", "")
 
 
 def test_the_engine_splits_the_cached_segment_and_needs_70_mib(restore_replay):
@@ -60,12 +58,17 @@ def test_the_engine_splits_the_cached_segment_and_needs_70_mib(restore_replay):
     assert not timeline._fits(STEP, DEV, 68 * MiB)
 
 
-def test_three_steps_repeat_the_last_step_with_new_keys(restore_replay):
+def test_steps_replays_the_step_that_many_times(restore_replay):
+    # The engine stops when a step leaves the allocator as the step before did: step 2
+    # finds x's 40 MiB and z's 30 MiB segments cached (the workspace and y split the 30,
+    # z takes the 40) and leaves both whole, as step 1 did: two steps.
+    assert timeline.loop_steps(STEP, DEV) == 2
     whatif.install(None, steps=3)
-    looped, _ = timeline.loop_events(STEP)
-    assert len(looped) == 3 * len(STEP)
-    allocs = [e.key for e in looped if e.kind is EventKind.ALLOC]
-    assert len(set(allocs)) == len(allocs)  # every step allocates its own storages
+    assert timeline.loop_steps(STEP, DEV) == 3
+    record: tuple[list[int], list[int]] = ([], [])
+    timeline._loop(STEP, DEV, None, record=record)
+    assert len(record[0]) == 3 * len(STEP)  # nothing outlives the step: no frees between
+    assert timeline.needed_bytes(STEP, DEV) == 70 * MiB
 
 
 # x (40) is live while a convolution's 30 MiB workspace is allocated; then y (25) and

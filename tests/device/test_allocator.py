@@ -704,3 +704,34 @@ def test_the_model_reserves_what_the_real_allocator_reserves(conf):
             model.free(handles.pop(key))
         predicted.append(model.reserved_bytes)
     assert predicted == real
+
+
+@pytest.mark.parametrize("model", [CachingAllocator, ExpandableAllocator])
+def test_layout_tells_two_allocators_apart_by_what_later_requests_would_see(model):
+    # Two allocators that got the same requests in the same order are in the same state,
+    # whatever the owners' handles: a 30 MiB block holds x, 10 MiB are free after it.
+    first, second = model(), model()
+    for allocator in (first, second):
+        held = allocator.malloc(30 * MiB)
+        allocator.free(allocator.malloc(10 * MiB))
+    held_first = next(iter(first._live))
+    held_second = next(iter(second._live))
+    assert first.layout({held_first: "x"}) == second.layout({held_second: "x"})
+    # Another tensor in the held block is another state (its free changes what is cached).
+    assert first.layout({held_first: "x"}) != second.layout({held_second: "y"})
+    # Freeing it: one free 40 MiB stretch instead of a held 30 and a free 10.
+    second.free(held_second)
+    assert first.layout({held_first: "x"}) != second.layout({})
+
+
+def test_layout_lists_segments_in_address_order():
+    # Best fit breaks ties between equal sizes by address, so where a segment lies among
+    # the others is part of the state: a cached 20 MiB segment below a 30 MiB one is not
+    # the same state as the two the other way round (each new segment lies above the last).
+    a, b = CachingAllocator(), CachingAllocator()
+    x, y = a.malloc(20 * MiB), a.malloc(30 * MiB)
+    a.free(x), a.free(y)
+    y, x = b.malloc(30 * MiB), b.malloc(20 * MiB)
+    b.free(y), b.free(x)
+    assert a.layout({}) == ((False, ((20 * MiB, None),)), (False, ((30 * MiB, None),)))
+    assert b.layout({}) == ((False, ((30 * MiB, None),)), (False, ((20 * MiB, None),)))

@@ -13,8 +13,8 @@ from __future__ import annotations
 from batchfit.device.allocator import AllocatorConfig
 from batchfit.device.profile import DeviceProfile
 from batchfit.device.timeline import (
+    MAX_LOOP_STEPS,
     fits_within,
-    loop_events,
     loop_steps,
     needed_bytes,
     replay_events,
@@ -99,21 +99,23 @@ def test_the_timeline_reports_the_loops_peak_on_the_steps_events():
 
 
 def test_setup_runs_once_and_leftovers_are_freed_before_the_next_step():
+    # w (100 MiB, set up once) lives on; the step makes s (12) and t (30) and frees s; t
+    # outlives the step. Step 1: 100 + 12 + 30 = 142 MiB of segments. If t were not freed
+    # before step 2, step 2's t would need a second 30 MiB segment (172); if the setup ran
+    # again, a second 100 (242). Freed, step 2 takes s and t's cached blocks: 142.
     setup = [_alloc(10, 100, Phase.SETUP)]
-    step = [_alloc(1, 12), _alloc(2, 30), _free(1, 12), _free(10, 100)]  # t (2) outlives the step
-    looped, mapping = loop_events(setup + step)
-    allocs = [e for e in looped if e.kind is EventKind.ALLOC]
-    assert [e.nbytes // MiB for e in allocs] == [100, 12, 30, 12, 30]  # setup once, step twice
-    freed_between = looped[len(setup) + len(step)]
-    assert (freed_between.kind, freed_between.key) == (EventKind.FREE, 2)
-    second_keys = {e.key for e in looped[len(setup) + len(step) + 1:]}
-    assert not second_keys & {1, 2}  # the second step's storages are new ones
-    assert 10 not in second_keys  # the setup storage freed by step 1 is not freed again
-    # each original event maps to its counterpart; the dropped free of the setup storage
-    # maps to the event before it (the second step's free of s)
-    A, F = EventKind.ALLOC, EventKind.FREE
-    assert [(looped[i].kind, looped[i].nbytes // MiB) for i in mapping] == [
-        (A, 100), (A, 12), (A, 30), (F, 12), (F, 12)]
+    step = [_alloc(1, 12), _alloc(2, 30), _free(1, 12)]
+    assert needed_bytes(setup + step, DEV) == 142 * MiB
+    assert loop_steps(setup + step, DEV) == 2  # step 2 leaves the allocator as step 1 did
+    # A step that frees the setup storage: the later steps find it gone. Step 1 leaves
+    # 100, 12 and 30 cached; step 2 takes the 12 and the 30 again.
+    frees_setup = setup + step + [_free(10, 100)]
+    assert needed_bytes(frees_setup, DEV) == 142 * MiB
+    # The timeline is the last step's, event for event after the setup's: step 2 runs on
+    # the cached segments, so reserved stays at 142 throughout.
+    timeline = replay_events(setup + step, DEV)
+    assert len(timeline.reserved_bytes) == 4
+    assert [r // MiB for r in timeline.reserved_bytes] == [100, 142, 142, 142]
 
 
 def test_a_step_that_reuses_its_segments_exactly_needs_no_more_in_a_loop():
@@ -217,13 +219,9 @@ def test_the_first_search_of_a_shape_empties_the_cache_and_the_second_does_not()
     plain = [e for e in SEARCH_STEP if e.kind is not EventKind.EMPTY_CACHE]
     assert needed_bytes(plain, DEV, loop=False) == 60 * MiB
     # In a loop the later steps have no search (the algorithm is cached). The second runs
-    # on the first step's 10 and 30 MiB segments (a takes the 30, then b and c their own),
-    # the third on the second's, the same two: 40.
-    looped, mapping = loop_events(SEARCH_STEP)
-    assert loop_steps(SEARCH_STEP) == 3 and loop_steps(plain) == 2
-    assert len(looped) == len(SEARCH_STEP) + 2 * len(plain)  # marks in the first step only
-    assert [e.kind for e in looped].count(EventKind.EMPTY_CACHE) == 2
-    assert len(mapping) == len(SEARCH_STEP) and mapping[-1] == len(looped) - 1
+    # on the first step's 10 and 30 MiB segments (a takes the 30, then b and c their own,
+    # d splits the 30) and leaves them as the first did: the loop repeats, 40 MiB.
+    assert loop_steps(SEARCH_STEP, DEV) == 2 and loop_steps(plain, DEV) == 2
     assert needed_bytes(SEARCH_STEP, DEV) == 40 * MiB
 
 
@@ -233,16 +231,22 @@ NO_FIXED_POINT = [_alloc(1, 12), _alloc(2, 14), _search(-5), _alloc(3, 16), _fre
                   _alloc(4, 20), _free(3, 16), _free(2, 14), _free(4, 20)]
 
 
-def test_after_a_step_with_searches_the_loop_runs_a_third_step():
-    # Step 1 (empty allocator, within 50 MiB): a, b, c get segments of their own sizes
-    # (12 + 14 + 16 = 42); d (20) fails at 62 > 50, a's free 12 MiB segment is released,
-    # d gets 20: 50. Step 2 on (14, 16, 20): a splits 14, b splits 16, c splits 20 (2, 2
-    # and 4 MiB remain); a dies (its 14 whole); d finds no 20 MiB block: 50 + 20 > 56
-    # releases the 14: 56. Step 3 on (16, 20, 20): a splits 16, b and c split the 20s; a
-    # dies; d again: 56 + 20 - 16 = 60. The third step needs more than the second.
+def test_the_loop_runs_until_the_allocator_repeats_a_state():
+    # Within 60 MiB. Step 1 (empty allocator): a, b, c get segments of their own sizes (12 +
+    # 14 + 16 = 42); d (20) fails at 62, a's free 12 MiB segment is released, d gets 20:
+    # 50, segments (14, 16, 20). Step 2: a splits 14, b splits 16, c splits 20 (2, 2 and 4
+    # MiB remain); a dies (its 14 whole); d finds no 20 MiB block: 50 + 20 > 60 releases
+    # the 14: 56, segments (16, 20, 20). Step 3: a splits 16, b and c split the 20s; a
+    # dies; d: 56 + 20 > 60 releases the 16: 60, segments (20, 20, 20). Step 4: a, b, c
+    # split the three 20s; a dies; d takes a's 20 whole; all die: (20, 20, 20) again, so
+    # every later step is step 4. Four steps; at 58 MiB step 3 fails (56 - 16 + 20 = 60).
     plain = [e for e in NO_FIXED_POINT if e.kind is not EventKind.EMPTY_CACHE]
-    assert needed_bytes(plain, DEV) == 56 * MiB  # two steps
-    assert needed_bytes(NO_FIXED_POINT, DEV) == 60 * MiB  # three
-    # (A fourth step, on three 20 MiB segments, fits in 60 and leaves them as they were:
-    # a loop converges there. Replaying until the allocator's segments repeat is left
-    # for later; README, "Real GPUs".)
+    assert loop_steps(plain, DEV, 60 * MiB) == 4
+    assert needed_bytes(plain, DEV) == 60 * MiB
+    assert not fits_within(plain, DEV, 58 * MiB)
+    # Two steps alone would have needed 56, one 50.
+    assert needed_bytes(plain, DEV, loop=False) == 50 * MiB
+    # The search (after b) finds nothing wholly free in step 1 and is not run again.
+    assert needed_bytes(NO_FIXED_POINT, DEV) == 60 * MiB
+    # Unlimited, step 2 is served from step 1's four segments and leaves them so: 2 steps.
+    assert loop_steps(plain, DEV) == 2 <= MAX_LOOP_STEPS

@@ -59,7 +59,7 @@ Known limitations:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -637,6 +637,25 @@ class CachingAllocator(_LiveBlocks):
             result.append(SegmentInfo(is_small_pool=head.small,
                                       size_bytes=sum(i.size_bytes for i in infos),
                                       blocks=tuple(infos)))
+        return tuple(result)
+
+    def layout(self, owners: Mapping[int, int]) -> tuple:
+        """The allocator's state up to where its segments lie, for telling whether a loop's
+        step starts where an earlier one did: every segment in address order, its blocks
+        in address order as ``(size, owner)``, the owner being ``owners[handle]`` for a
+        live block and None for a free one. Best fit breaks ties by address, which this
+        order keeps, and a new segment lies above every other: two allocators with equal
+        layouts answer the same requests alike."""
+        blocks = [*self._live.values(), *self._small_pool.blocks(), *self._large_pool.blocks()]
+        result = []
+        for head in sorted((b for b in blocks if b.prev is None), key=lambda b: b.address):
+            segment = []
+            block: _Block | None = head
+            while block is not None:
+                segment.append((block.size, owners.get(block.address) if block.allocated
+                                else None))
+                block = block.next
+            result.append((head.small, tuple(segment)))
         return tuple(result)
 
     def _alloc_segment(self, nbytes: int, size: int, small: bool) -> _Block:

@@ -46,7 +46,7 @@ Known limitations:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from batchfit.device.allocator import (
     LARGE_BUFFER_BYTES,
@@ -256,6 +256,21 @@ class ExpandableAllocator(_LiveBlocks):
                 result.append(SegmentInfo(
                     is_small_pool=rng.small, size_bytes=rng.mapped_bytes,
                     blocks=tuple(BlockInfo(b.size, b.allocated) for b in blocks)))
+        return tuple(result)
+
+    def layout(self, owners: Mapping[int, int]) -> tuple:
+        """The state up to where the ranges lie (see ``CachingAllocator.layout``): every
+        range in address order, its blocks as ``(offset in the range, size, mapped,
+        owner)``, the owner ``owners[handle]`` for a live block and None otherwise."""
+        blocks = [*self._live.values()]
+        for pool in (self._small_pool, self._large_pool):
+            blocks += [*pool.free.blocks.values(), *pool.unmapped.blocks.values()]
+        result = []
+        for rng in sorted(self._ranges, key=lambda r: r.base):
+            mine = sorted((b for b in blocks if b.range is rng), key=lambda b: b.address)
+            result.append((rng.small, tuple(
+                (b.address - rng.base, b.size, b.mapped,
+                 owners.get(b.address) if b.allocated else None) for b in mine)))
         return tuple(result)
 
     def _pool_of(self, block: _Block) -> _Pool:

@@ -6,15 +6,16 @@ returns memory to the system). On CUDA every event goes through the caching
 allocator model (:mod:`batchfit.device.allocator`), so the peak is *reserved* memory,
 with the cuBLAS workspace held from the start and the CUDA context added on top.
 
-A steady step on CUDA is replayed the way a loop runs it (:func:`loop_events`): the
-step, then the step again in the same allocator (and a third time after a first step
-whose cuDNN searches empty the cache: :func:`loop_steps`). The caching allocator keeps every
-segment the first step cudaMalloc'd; the second step's requests are served from those
-cached blocks by best fit and split, and can fragment them where the first step, on an
-empty allocator, got exact segments. The capacity a loop needs is what its steps,
-each on the cache of the steps before it, need (with cudaMalloc's free-and-retry); across the
-dev set's inference steps this is the same as one step for most models and 8-30%
-more for some (xception, rexnet, regnetz_b16_evos, xcit, tiny_vit, BiT ResNetV2).
+A steady step on CUDA is replayed the way a loop runs it (:func:`loop_steps`): the
+step, then the step again in the same allocator, until the allocator is in a state a
+step already started from, when every later step repeats one already run (at most
+:data:`MAX_LOOP_STEPS`). The caching allocator keeps every segment the first step
+cudaMalloc'd; later steps' requests are served from those cached blocks by best fit and
+split, and can fragment them where the first step, on an empty allocator, got exact
+segments. The capacity a loop needs is what its steps, each on the cache of the steps
+before it, need (with cudaMalloc's free-and-retry); across the dev set's inference steps
+this is the same as one step for most models and 8-30% more for some (xception, rexnet,
+regnetz_b16_evos, xcit, tiny_vit, BiT ResNetV2).
 """
 
 from __future__ import annotations
@@ -74,58 +75,116 @@ class Timeline:
         }
 
 
-def loop_steps(events: Sequence[Event]) -> int:
-    """How many times :func:`loop_events` runs the step: until a step runs on the cache of
-    a step with the same events. Without cuDNN search marks every step is alike: two
-    (on the dev set's 120-row sample a third changed no answer: README, "Real GPUs"). A
-    step with marks empties the cache at its searches, which only the first step runs;
-    the second then runs on that emptied layout, the third on the second's: three.
-    Neither is a fixed point in general: a later step can need more
-    (tests/device/test_timeline.py has a step that needs more in its third run)."""
-    return 3 if any(e.kind is EventKind.EMPTY_CACHE for e in events) else 2
+#: The most times the loop replays the step while no allocator state repeats (the dev
+#: set's inference steps repeat within this: README, "Real GPUs").
+MAX_LOOP_STEPS = 8
 
 
-def loop_events(events: Sequence[Event], steps: int | None = None
-                ) -> tuple[list[Event], list[int]]:
-    """The steady step as a training or inference loop runs it through one allocator:
-    :func:`loop_steps` times (or ``steps`` times, for experiments).
+def loop_steps(events: Sequence[Event], device: DeviceProfile,
+               capacity: int | None = None) -> int:
+    """How many times a loop's step runs through one allocator before the loop repeats
+    itself, within ``capacity``: until the allocator, after a step and the frees that
+    follow it, is in a state a step already started from (:meth:`CachingAllocator.layout
+    <batchfit.device.allocator.CachingAllocator.layout>`: the same segments in the same
+    order, the same blocks of them free, the same tensors in the others). From then on
+    every step replays one already run (the replay is deterministic), so the loop fits
+    if these steps do; at most :data:`MAX_LOOP_STEPS`. The first step is never compared:
+    it alone runs the cuDNN searches that empty the cache (``EMPTY_CACHE`` marks), so a
+    step like it does not come again. Raises AllocatorOutOfMemory when they do not fit."""
+    return _loop(events, device, capacity)[0]
+
+
+def _loop(events: Sequence[Event], device: DeviceProfile, capacity: int | None,
+          steps: int | None = None, record: tuple[list[int], list[int]] | None = None,
+          skipped: set[int] | None = None) -> tuple[int, Any]:
+    """Replay ``events`` as a training or inference loop runs them through one allocator.
 
     The leading setup events (parameters, buffers, inputs, optimizer state) happen once;
-    then the step; then whatever the step allocated and left alive is freed, as the
-    next iteration does (``zero_grad(set_to_none=True)`` drops the gradients, rebinding
-    ``loss``/``output`` drops those); then the step again, with new keys. Only the first
-    step has ``EMPTY_CACHE`` marks: the algorithm searches they stand for ran there
-    (torch's benchmark cache keeps their result for the process).
+    then the step; then whatever the step allocated and left alive is freed, as the next
+    iteration does (``zero_grad(set_to_none=True)`` drops the gradients, rebinding
+    ``loss``/``output`` drops those); then the step again with the same keys, until the
+    loop repeats itself (:func:`loop_steps`) or ``steps`` times if given (1: no loop).
+    A later step's search marks empty nothing (torch's benchmark cache keeps the
+    algorithm for the process) and its frees of setup allocations find them gone.
+
+    ``record`` gets the allocated and reserved bytes after every event replayed: the
+    setup, the first step, then the frees and step of each later one. A fallible
+    workspace that does not fit is left out (its key added to ``skipped``).
 
     Returns:
-        The looped events, and for each event of ``events`` the index of its counterpart
-        in them (setup events: the only copy; step events: the last step's).
+        The number of steps run and the allocator. Raises AllocatorOutOfMemory.
     """
-    setup_end = 0
-    while setup_end < len(events) and events[setup_end].phase is Phase.SETUP:
-        setup_end += 1
-    setup, step = list(events[:setup_end]), list(events[setup_end:])
+    setup_end = _setup_end(events)
+    step = events[setup_end:]
+    tail = _tail(step)
+    allocator = device.allocator.new_allocator(capacity)
+    handles: dict[int, int] = {}
+    if device.workspace_bytes:
+        handles[_WORKSPACE_KEY] = allocator.malloc(device.workspace_bytes)
+    searched: set[int] = set()
+    _run(events[:setup_end], allocator, handles, searched, record, skipped)
     if not step:
-        return list(events), list(range(len(events)))
+        return 0, allocator
+    limit = steps if steps is not None else MAX_LOOP_STEPS
+    seen: set[tuple] = set()
+    count = 0
+    while True:
+        _run(step, allocator, handles, searched, record, skipped)
+        count += 1
+        if count >= limit:
+            return count, allocator
+        _run(tail, allocator, handles, searched, record, skipped)
+        if steps is None:
+            owners = {handle: key for key, handle in handles.items()}
+            state = allocator.layout(owners)
+            if state in seen:
+                if record is not None:  # the loop ends with a step, not its frees
+                    del record[0][len(record[0]) - len(tail):]
+                    del record[1][len(record[1]) - len(tail):]
+                return count, allocator
+            seen.add(state)
+
+
+def _tail(step: Sequence[Event]) -> list[Event]:
+    """The frees, before the next step, of what ``step`` allocated and left alive."""
     owned = {e.key for e in step if e.kind is EventKind.ALLOC}
-    offset = 1 + max(max(owned, default=0), max((e.key for e in events), default=0))
-    left_alive = [e for e in alive_at_end(step) if e.key in owned]
-    looped = setup + step
-    mapping = list(range(len(events)))
-    for copy in range(1, loop_steps(step) if steps is None else steps):
-        looped.extend(Event(EventKind.FREE, e.key + offset * (copy - 1), e.nbytes, e.category,
-                            e.module, "", e.phase) for e in left_alive)
-        mapping = list(range(setup_end))
-        for event in step:
-            if event.key in owned or event.kind is EventKind.RETAG:
-                mapping.append(len(looped))
-                key = event.key + offset * copy if event.key in owned else event.key
-                looped.append(Event(event.kind, key, event.nbytes, event.category,
-                                    event.module, event.op, event.phase))
-            else:  # frees a setup allocation (a later step finds it gone already), or a
-                # search mark (a later step has none)
-                mapping.append(len(looped) - 1)
-    return looped, mapping
+    return [Event(EventKind.FREE, e.key, e.nbytes, e.category, e.module, "", e.phase)
+            for e in alive_at_end(step) if e.key in owned]
+
+
+def _setup_end(events: Sequence[Event]) -> int:
+    end = 0
+    while end < len(events) and events[end].phase is Phase.SETUP:
+        end += 1
+    return end
+
+
+def _run(events: Sequence[Event], allocator: Any, handles: dict[int, int], searched: set[int],
+         record: tuple[list[int], list[int]] | None, skipped: set[int] | None) -> None:
+    """Replay ``events`` into ``allocator`` (the loop's one pass); raises
+    AllocatorOutOfMemory unless the allocation that fails is fallible."""
+    alloc_kind, free_kind, mark_kind = EventKind.ALLOC, EventKind.FREE, EventKind.EMPTY_CACHE
+    malloc, free = allocator.malloc, allocator.free
+    for event in events:
+        kind = event.kind
+        if kind is alloc_kind:
+            try:
+                handles[event.key] = malloc(event.nbytes)
+            except AllocatorOutOfMemory:
+                if not is_fallible(event):
+                    raise
+                if skipped is not None:
+                    skipped.add(event.key)
+        elif kind is free_kind:
+            handle = handles.pop(event.key, None)
+            if handle is not None:
+                free(handle)
+        elif kind is mark_kind and event.key not in searched:
+            searched.add(event.key)
+            allocator.empty_cache()
+        if record is not None:
+            record[0].append(allocator.allocated_bytes)
+            record[1].append(allocator.reserved_bytes)
 
 
 def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10,
@@ -139,7 +198,7 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10,
     replay overstates the need (by 15% for ResNet-50 at B=64 in amp-fp16).
     The breakdown is taken at the peak of allocated memory, where the slack
     is the needed reserved memory less what is allocated then. With ``loop`` (a steady
-    step on CUDA) the step is replayed as a loop runs it (:func:`loop_events`) and the
+    step on CUDA) the step is replayed as a loop runs it (:func:`loop_steps`) and the
     timeline is the last step's, on the cached segments of the steps before it.
     """
     if not events:
@@ -147,24 +206,25 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10,
     phases = tuple(event.phase for event in events)
     skipped: set[int] = set()  # fallible workspaces the replay at the needed capacity skips
     if device.is_cuda:
-        looped, mapping = loop_events(events) if loop else (list(events), range(len(events)))
-        needed, unlimited = _least_capacity(looped, device)
-        allocated, reserved = unlimited
-        # With fallible workspaces the step is described at the capacity it was solved
-        # with (a workspace the unlimited replay holds may be skipped there).
-        fallible = any(is_fallible(e) for e in looped)
-        if needed < max(reserved) or fallible:
-            allocated, reserved = _replay_cuda(looped, device, needed,
-                                               None if loop else skipped)
+        steps = None if loop else 1
+        needed = _least_capacity(events, device, steps)
+        looped: tuple[list[int], list[int]] = ([], [])
+        count = _loop(events, device, needed, steps, looped, None if loop else skipped)[0]
+        # The last step's events: after the setup, (count - 1) steps, each followed by
+        # the frees of what it left alive.
+        setup_end = _setup_end(events)
+        offset = (count - 1) * (len(events) - setup_end + len(_tail(events[setup_end:])))
+        mapping = [i if i < setup_end else i + offset for i in range(len(events))]
+        allocated, reserved = looped
         peak_reserved = max(reserved)
         reserved = [reserved[i] for i in mapping]
         if loop:
-            # The breakdown is taken where the step's own allocated memory peaks: the second
+            # The breakdown is taken where the step's own allocated memory peaks: a later
             # step can be handed cached blocks whole (unsplit), which moves its allocated
             # peak to another op although the same tensors are alive. The step alone is
             # the loop's first part, so it runs within ``needed`` too.
-            allocated = _replay_cuda(events, device, needed if fallible else None,
-                                     skipped)[0]
+            fallible = any(is_fallible(e) for e in events)
+            allocated = _replay_cuda(events, device, needed if fallible else None, skipped)[0]
         reserved[max(range(len(reserved)), key=reserved.__getitem__)] = peak_reserved
     else:
         allocated = reserved = _replay_cpu(events)
@@ -192,15 +252,13 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10,
 
 def needed_bytes(events: Sequence[Event], device: DeviceProfile, loop: bool = True) -> int:
     """Peak live bytes (CPU) or the least allocator capacity the step fits (CUDA; with
-    ``loop``, as a loop runs it, :func:`loop_events`), without the breakdown: the cheap
+    ``loop``, as a loop runs it, :func:`loop_steps`), without the breakdown: the cheap
     number a solver needs."""
     if not events:
         return 0
     if not device.is_cuda:
         return max(_replay_cpu(events))
-    if loop:
-        events = loop_events(events)[0]
-    return _least_capacity(events, device)[0]
+    return _least_capacity(events, device, None if loop else 1)
 
 
 def fits_within(events: Sequence[Event], device: DeviceProfile, limit_bytes: int) -> bool:
@@ -211,7 +269,7 @@ def fits_within(events: Sequence[Event], device: DeviceProfile, limit_bytes: int
     if not device.is_cuda:
         return peak_live_bytes(events) <= limit_bytes
     capacity = limit_bytes // _SEGMENT_UNIT * _SEGMENT_UNIT
-    return capacity > 0 and _fits(loop_events(events)[0], device, capacity)
+    return capacity > 0 and _fits(events, device, capacity)
 
 
 def is_fallible(event: Event) -> bool:
@@ -245,65 +303,45 @@ def _replay_cpu(events: Sequence[Event]) -> list[int]:
     return allocated
 
 
-def _least_capacity(events: Sequence[Event], device: DeviceProfile
-                    ) -> tuple[int, tuple[list[int], list[int]]]:
-    """The least capacity the (already looped) replay fits in, and the unlimited replay's
-    allocated and reserved bytes. The one rule both :func:`needed_bytes` (what a solver
-    solves with) and :func:`replay_events` (the breakdown) use, so that they agree."""
-    allocated, reserved = _replay_cuda(events, device, None)
+def _least_capacity(events: Sequence[Event], device: DeviceProfile,
+                    steps: int | None = None) -> int:
+    """The least capacity the loop (``steps``: see :func:`_loop`) fits in. The one rule
+    both :func:`needed_bytes` (what a solver solves with) and :func:`replay_events` (the
+    breakdown) use, so that they agree. The unlimited replay bounds it: within its peak
+    reserved bytes a capped replay never reaches the cap, so runs the same."""
+    unlimited = _loop(events, device, None, steps)[1]
     if not any(is_fallible(e) for e in events):
-        needed = _smallest_capacity(events, device, max(allocated), max(reserved))
-    else:
-        needed = _smallest_capacity_fallible(events, device, max(reserved))
-    return needed, (allocated, reserved)
+        return _smallest_capacity(events, device, unlimited.peak_allocated_bytes,
+                                  unlimited.peak_reserved_bytes, steps)
+    return _smallest_capacity_fallible(events, device, unlimited.peak_reserved_bytes, steps)
 
 
 def _replay_cuda(events: Sequence[Event], device: DeviceProfile, capacity: int | None,
                  skipped: set[int] | None = None) -> tuple[list[int], list[int]]:
-    """Allocated and reserved bytes after each event; raises AllocatorOutOfMemory. The
-    keys of fallible allocations that did not fit are added to ``skipped``."""
-    allocator = device.allocator.new_allocator(capacity)
-    handles: dict[int, int] = {}
-    if device.workspace_bytes:
-        handles[_WORKSPACE_KEY] = allocator.malloc(device.workspace_bytes)
-    allocated: list[int] = []
-    reserved: list[int] = []
-    searched: set[int] = set()
-    for event in events:
-        if event.kind is EventKind.ALLOC:
-            try:
-                handles[event.key] = allocator.malloc(event.nbytes)
-            except AllocatorOutOfMemory:
-                if not is_fallible(event):
-                    raise
-                if skipped is not None:
-                    skipped.add(event.key)
-        elif event.kind is EventKind.FREE:
-            handle = handles.pop(event.key, None)
-            if handle is not None:
-                allocator.free(handle)
-        elif event.kind is EventKind.EMPTY_CACHE and event.key not in searched:
-            searched.add(event.key)
-            allocator.empty_cache()
-        allocated.append(allocator.allocated_bytes)
-        reserved.append(allocator.reserved_bytes)
-    return allocated, reserved
+    """Allocated and reserved bytes after each event of one pass (no loop); raises
+    AllocatorOutOfMemory. The keys of fallible allocations that did not fit are added to
+    ``skipped``."""
+    record: tuple[list[int], list[int]] = ([], [])
+    _loop(events, device, capacity, 1, record, skipped)
+    return record
 
 
-def _smallest_capacity(events: Sequence[Event], device: DeviceProfile, low: int, high: int) -> int:
+def _smallest_capacity(events: Sequence[Event], device: DeviceProfile, low: int, high: int,
+                       steps: int | None = None) -> int:
     """The least capacity (a multiple of 2 MiB, like every segment) the replay fits in."""
     unit = _SEGMENT_UNIT
     lo, hi = -(-low // unit) - 1, high // unit  # lo fails (or is below allocated), hi fits
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _fits(events, device, mid * unit):
+        if _fits(events, device, mid * unit, steps):
             hi = mid
         else:
             lo = mid
     return hi * unit
 
 
-def _smallest_capacity_fallible(events: Sequence[Event], device: DeviceProfile, high: int) -> int:
+def _smallest_capacity_fallible(events: Sequence[Event], device: DeviceProfile, high: int,
+                                steps: int | None = None) -> int:
     """The least capacity above which the replay fits, with fallible workspaces.
 
     Fitting is not monotone in the capacity then: with more room a workspace is
@@ -316,43 +354,24 @@ def _smallest_capacity_fallible(events: Sequence[Event], device: DeviceProfile, 
     """
     unit = _SEGMENT_UNIT
     low = peak_live_bytes([e for e in events if not is_fallible(e)])  # fails below this
-    needed = _smallest_capacity(events, device, low, high)
+    needed = _smallest_capacity(events, device, low, high, steps)
     while True:
         failing = None
         step = unit
         while needed + step < high:
-            if not _fits(events, device, needed + step):
+            if not _fits(events, device, needed + step, steps):
                 failing = needed + step
             step *= 2
         if failing is None:
             return needed
-        needed = _smallest_capacity(events, device, failing + 1, high)
+        needed = _smallest_capacity(events, device, failing + 1, high, steps)
 
 
-def _fits(events: Sequence[Event], device: DeviceProfile, capacity: int) -> bool:
-    """Whether the replay runs within ``capacity`` (no timeline kept: the hot loop)."""
-    allocator = device.allocator.new_allocator(capacity)
-    malloc, free = allocator.malloc, allocator.free
-    handles: dict[int, int] = {}
-    searched: set[int] = set()
-    alloc_kind, free_kind = EventKind.ALLOC, EventKind.FREE
+def _fits(events: Sequence[Event], device: DeviceProfile, capacity: int,
+          steps: int | None = None) -> bool:
+    """Whether the loop (``steps``: see :func:`_loop`) runs within ``capacity``."""
     try:
-        if device.workspace_bytes:
-            malloc(device.workspace_bytes)
-        for event in events:
-            if event.kind is alloc_kind:
-                try:
-                    handles[event.key] = malloc(event.nbytes)
-                except AllocatorOutOfMemory:
-                    if not is_fallible(event):
-                        raise
-            elif event.kind is free_kind:
-                handle = handles.pop(event.key, None)
-                if handle is not None:
-                    free(handle)
-            elif event.kind is EventKind.EMPTY_CACHE and event.key not in searched:
-                searched.add(event.key)
-                allocator.empty_cache()
+        _loop(events, device, capacity, steps)
     except AllocatorOutOfMemory:
         return False
     return True
