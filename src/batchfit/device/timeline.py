@@ -75,8 +75,9 @@ class Timeline:
         }
 
 
-#: The most times the loop replays the step while no allocator state repeats (the dev
-#: set's inference steps repeat within this: README, "Real GPUs").
+#: The most times the loop replays the step while no allocator state repeats. Of 150
+#: cached dev-set traces, at the capacity each needs on the 4090's profile, 149 repeat
+#: within 8 steps (most after 3 or 4); coatnet_0 repeats after 11, with the same need.
 MAX_LOOP_STEPS = 8
 
 
