@@ -50,11 +50,25 @@ def test_estimate_json_contract(factory_file):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     for key in ("batch_size", "peak_allocated_bytes", "peak_reserved_bytes", "total_bytes",
-                "by_category", "top_modules", "peak_phase"):
+                "by_category", "top_modules", "peak_phase", "loop_steps"):
         assert key in data
     assert data["batch_size"] == 32
+    assert data["loop_steps"] == 1  # the CPU replay is not looped
     # params (128*256+256 + 256*10+10)*4 = 142,376 bytes
     assert data["by_category"]["parameters"] == 142_376
+
+
+def test_estimate_on_a_gpu_says_how_many_steps_its_loop_ran(factory_file):
+    # A CUDA step is replayed until the allocator repeats a state; the second step is the
+    # first whose state can repeat the first's, so the loop runs at least two.
+    result = invoke("estimate", f"{factory_file}:mlp", "--batch-size", "32", "--input", "128",
+                    "--gpu", "A100", "--json")
+    assert result.exit_code == 0, result.output
+    steps = json.loads(result.stdout)["loop_steps"]
+    assert 2 <= steps <= 8
+    result = invoke("estimate", f"{factory_file}:mlp", "--batch-size", "32", "--input", "128",
+                    "--gpu", "A100")
+    assert f"replayed as a loop: {steps} steps" in " ".join(result.stdout.split())
 
 
 def test_estimate_human_output_explains(factory_file):

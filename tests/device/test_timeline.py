@@ -250,3 +250,8 @@ def test_the_loop_runs_until_the_allocator_repeats_a_state():
     assert needed_bytes(NO_FIXED_POINT, DEV) == 60 * MiB
     # Unlimited, step 2 is served from step 1's four segments and leaves them so: 2 steps.
     assert loop_steps(plain, DEV) == 2 <= MAX_LOOP_STEPS
+    # The timeline says how many steps its loop ran (at the 60 MiB it needs): four; one
+    # without the loop, and on the CPU, which is not looped.
+    assert replay_events(plain, DEV).loop_steps == 4
+    assert replay_events(plain, DEV, loop=False).loop_steps == 1
+    assert replay_events(plain, DeviceProfile.cpu()).loop_steps == 1

@@ -42,7 +42,8 @@ class MemoryEstimate:
         by_category: bytes by :class:`~batchfit.engine.tracer.Category` at the peak; sums to total_bytes.
         peak_phase, peak_op, peak_module: where the peak happens.
         top_modules: modules holding the most activation/temporary memory at the peak.
-        timeline: the per-event timeline of the step.
+        timeline: the per-event timeline of the step (on CUDA, the last of the
+            ``timeline.loop_steps`` steps replayed until the allocator repeats a state).
         warnings: things the trace could not see.
     """
 
@@ -89,6 +90,7 @@ class MemoryEstimate:
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "total_bytes": self.total_bytes,
             "first_step_peak_bytes": self.first_step_peak_bytes,
+            "loop_steps": self.timeline.loop_steps,
             "by_category": {c.value: b for c, b in self.by_category.items()},
             "peak_phase": self.peak_phase.value,
             "peak_op": self.peak_op,

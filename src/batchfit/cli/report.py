@@ -144,6 +144,9 @@ def render_estimate(est: Any) -> Group:
             + f"; card {format_bytes(device.total_memory_bytes)}"))
     if (note := unified_memory_note(device)) is not None:
         lines.append(note)
+    if device.is_cuda and est.timeline.loop_steps > 1:
+        lines.append(Text(f"replayed as a loop: {est.timeline.loop_steps} steps until the "
+                          f"caching allocator repeats a state; the peak is the worst step's"))
     if est.first_step_peak_bytes not in (None, est.total_bytes):
         lines.append(Text(f"first step (creates optimizer state): "
                           f"{format_bytes(est.first_step_peak_bytes)}"))

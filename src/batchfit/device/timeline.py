@@ -65,6 +65,9 @@ class Timeline:
     peak_phase: Phase
     peak_op: str
     peak_module: str
+    #: steps the loop replayed until the allocator repeated a state (:func:`loop_steps`;
+    #: 1 on the CPU or without ``loop``)
+    loop_steps: int = 1
 
     def to_dict(self, max_points: int = 400) -> dict[str, Any]:
         step = max(1, len(self.allocated_bytes) // max_points)
@@ -206,6 +209,7 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10,
         return Timeline((), (), (), 0, 0, -1, {}, (), Phase.SETUP, "", "")
     phases = tuple(event.phase for event in events)
     skipped: set[int] = set()  # fallible workspaces the replay at the needed capacity skips
+    count = 1
     if device.is_cuda:
         steps = None if loop else 1
         needed = _least_capacity(events, device, steps)
@@ -248,7 +252,7 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10,
         peak_allocated_bytes=max(allocated), peak_reserved_bytes=max(reserved),
         peak_index=peak_index, by_category=by_category, top_modules=top_modules,
         peak_phase=events[peak_index].phase, peak_op=peak_event.op if peak_event else "",
-        peak_module=peak_event.module if peak_event else "")
+        peak_module=peak_event.module if peak_event else "", loop_steps=count)
 
 
 def needed_bytes(events: Sequence[Event], device: DeviceProfile, loop: bool = True) -> int:
