@@ -51,8 +51,8 @@ class Sim:
         free = [(block[0], s, b) for s, segment in enumerate(self.segments)
                 for b, block in enumerate(segment) if block[1] is None and block[0] >= size]
         if not free:
-            if self.reserved() + size > self.capacity:  # release whole free segments
-                self.segments = [g for g in self.segments if not (len(g) == 1 and g[0][1] is None)]
+            if self.reserved() + size > self.capacity:
+                self.empty_cache()
                 if self.reserved() + size > self.capacity:
                     raise MemoryError(owner)
             self.segments.append([[size, owner]])
@@ -64,6 +64,10 @@ class Sim:
             segment.insert(b + 1, [block[0] - size, None])
             block[0] = size
         block[1] = owner
+
+    def empty_cache(self) -> None:
+        """Release every wholly free segment (``release_cached_blocks``, ``emptyCache``)."""
+        self.segments = [g for g in self.segments if not (len(g) == 1 and g[0][1] is None)]
 
     def free(self, owner: str) -> None:
         for segment in self.segments:
@@ -91,7 +95,7 @@ def stage0(capacity: int, start: list[int], variant: str, blocks: int = 3) -> No
     for k in range(blocks):
         sim.malloc("c", U), sim.malloc("d", U), sim.free("c")
         if k == 0:  # the depthwise convolution's cuDNN search: emptyCache
-            sim.segments = [g for g in sim.segments if not (len(g) == 1 and g[0][1] is None)]
+            sim.empty_cache()
         if variant != "no LayerNorm input copy":
             sim.malloc("q", 2 * U)
         sim.malloc("n", U if variant == "fp16 LayerNorm output" else 2 * U)

@@ -625,18 +625,11 @@ class CachingAllocator(_LiveBlocks):
 
         Walks all blocks, so it is for inspection and tests, not for the replay loop.
         """
-        blocks = [*self._live.values(), *self._small_pool.blocks(), *self._large_pool.blocks()]
-        heads = sorted((b for b in blocks if b.prev is None), key=lambda b: b.address)
         result = []
-        for head in heads:
-            infos = []
-            block: _Block | None = head
-            while block is not None:
-                infos.append(BlockInfo(size_bytes=block.size, allocated=block.allocated))
-                block = block.next
-            result.append(SegmentInfo(is_small_pool=head.small,
-                                      size_bytes=sum(i.size_bytes for i in infos),
-                                      blocks=tuple(infos)))
+        for blocks in self._segment_blocks():
+            infos = tuple(BlockInfo(size_bytes=b.size, allocated=b.allocated) for b in blocks)
+            result.append(SegmentInfo(is_small_pool=blocks[0].small,
+                                      size_bytes=sum(i.size_bytes for i in infos), blocks=infos))
         return tuple(result)
 
     def layout(self, owners: Mapping[int, int]) -> tuple:
@@ -646,17 +639,22 @@ class CachingAllocator(_LiveBlocks):
         live block and None for a free one. Best fit breaks ties by address, which this
         order keeps, and a new segment lies above every other: two allocators with equal
         layouts answer the same requests alike."""
+        return tuple((blocks[0].small, tuple(
+            (b.size, owners.get(b.address) if b.allocated else None) for b in blocks))
+            for blocks in self._segment_blocks())
+
+    def _segment_blocks(self) -> list[list[_Block]]:
+        """Each segment's blocks in address order, the segments in address order."""
         blocks = [*self._live.values(), *self._small_pool.blocks(), *self._large_pool.blocks()]
         result = []
         for head in sorted((b for b in blocks if b.prev is None), key=lambda b: b.address):
             segment = []
             block: _Block | None = head
             while block is not None:
-                segment.append((block.size, owners.get(block.address) if block.allocated
-                                else None))
+                segment.append(block)
                 block = block.next
-            result.append((head.small, tuple(segment)))
-        return tuple(result)
+            result.append(segment)
+        return result
 
     def _alloc_segment(self, nbytes: int, size: int, small: bool) -> _Block:
         """cudaMalloc a segment for ``size``; on failure release the cache and retry once."""

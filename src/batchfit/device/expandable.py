@@ -247,31 +247,30 @@ class ExpandableAllocator(_LiveBlocks):
         ``size_bytes`` is the range's mapped bytes; unmapped blocks are left out. Walks all
         blocks, so it is for inspection and tests.
         """
-        mapped = [*self._live.values(), *self._small_pool.free.blocks.values(),
-                  *self._large_pool.free.blocks.values()]
-        result = []
-        for rng in sorted(self._ranges, key=lambda r: r.base):
-            blocks = sorted((b for b in mapped if b.range is rng), key=lambda b: b.address)
-            if blocks:
-                result.append(SegmentInfo(
-                    is_small_pool=rng.small, size_bytes=rng.mapped_bytes,
-                    blocks=tuple(BlockInfo(b.size, b.allocated) for b in blocks)))
-        return tuple(result)
+        return tuple(
+            SegmentInfo(is_small_pool=rng.small, size_bytes=rng.mapped_bytes,
+                        blocks=tuple(BlockInfo(b.size, b.allocated) for b in blocks))
+            for rng, blocks in self._range_blocks(unmapped=False) if blocks)
 
     def layout(self, owners: Mapping[int, int]) -> tuple:
         """The state up to where the ranges lie (see ``CachingAllocator.layout``): every
         range in address order, its blocks as ``(offset in the range, size, mapped,
         owner)``, the owner ``owners[handle]`` for a live block and None otherwise."""
+        return tuple((rng.small, tuple(
+            (b.address - rng.base, b.size, b.mapped,
+             owners.get(b.address) if b.allocated else None) for b in blocks))
+            for rng, blocks in self._range_blocks(unmapped=True))
+
+    def _range_blocks(self, unmapped: bool) -> list[tuple[_Range, list[_Block]]]:
+        """Each range in address order with its mapped blocks (and, with ``unmapped``, its
+        unmapped ones) in address order."""
         blocks = [*self._live.values()]
         for pool in (self._small_pool, self._large_pool):
-            blocks += [*pool.free.blocks.values(), *pool.unmapped.blocks.values()]
-        result = []
-        for rng in sorted(self._ranges, key=lambda r: r.base):
-            mine = sorted((b for b in blocks if b.range is rng), key=lambda b: b.address)
-            result.append((rng.small, tuple(
-                (b.address - rng.base, b.size, b.mapped,
-                 owners.get(b.address) if b.allocated else None) for b in mine)))
-        return tuple(result)
+            blocks += pool.free.blocks.values()
+            if unmapped:
+                blocks += pool.unmapped.blocks.values()
+        return [(rng, sorted((b for b in blocks if b.range is rng), key=lambda b: b.address))
+                for rng in sorted(self._ranges, key=lambda r: r.base)]
 
     def _pool_of(self, block: _Block) -> _Pool:
         return self._small_pool if block.range.small else self._large_pool

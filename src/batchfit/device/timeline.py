@@ -215,10 +215,9 @@ def replay_events(events: Sequence[Event], device: DeviceProfile, top: int = 10,
         needed = _least_capacity(events, device, steps)
         looped: tuple[list[int], list[int]] = ([], [])
         count = _loop(events, device, needed, steps, looped, None if loop else skipped)[0]
-        # The last step's events: after the setup, (count - 1) steps, each followed by
-        # the frees of what it left alive.
+        # The loop ends with the last step: its events are the record's last ones.
         setup_end = _setup_end(events)
-        offset = (count - 1) * (len(events) - setup_end + len(_tail(events[setup_end:])))
+        offset = len(looped[1]) - len(events)
         mapping = [i if i < setup_end else i + offset for i in range(len(events))]
         allocated, reserved = looped
         peak_reserved = max(reserved)
