@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import doctest
+import weakref
 
 import pytest
 import torch
@@ -723,6 +724,50 @@ def test_efficient_attention_saves_the_mask_as_a_padded_bias():
                 lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
     assert ("torch.float32", (2, 4, 20, 20)) in saved  # the bias, a view of (2, 4, 20, 32)
     assert ("torch.float32", (2, 4, 32)) in saved  # log-sum-exp rounded up to 32 rows
+
+
+class Made(TorchDispatchMode):
+    """Keeps a weak reference to every tensor an aten op returns, with its dtype and shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.made.append((t.dtype, tuple(t.shape), weakref.ref(t)))
+        return out
+
+
+@pytest.mark.parametrize("dtype, head_dim, cc, accumulates", [
+    (F16, 256, (8, 0), True),  # past 128: the 32x128_gmem kernel, float accumulator
+    (BF16, 160, (8, 0), True),
+    (F16, 256, (7, 5), True),  # the sm75 list ends with the same gmem kernel
+    (F16, 128, (8, 0), False),  # 64x128_rf keeps the output in registers
+    (F16, 64, (8, 0), False),  # 64x64_rf
+    (F32, 256, (8, 0), False),  # float output: output_accum_t is output_t
+])
+def test_efficient_forward_allocates_a_float_accumulator_past_head_dim_128(
+        dtype, head_dim, cc, accumulates):
+    # attention.cu _efficient_attention_forward: with a mask flash is out, so the
+    # memory-efficient kernel runs; for B=2, H=4, S=64 it allocates the output (B, S, H, D)
+    # and, where kNeedsOutputAccumulatorBuffer, at::empty({B, M, H, Kv}, float) = (2, 64,
+    # 4, D) float32, a local freed when the call returns. The output stays alive.
+    b, h, s = 2, 4, 64
+    made = Made()
+    with FakeTensorMode():
+        q = torch.empty(b, h, s, head_dim, dtype=dtype)
+        mask = torch.ones(s, s, dtype=torch.bool)
+        with CudaEmulation(cc) as emu, made:
+            out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    assert emu.sdpa_backends == {SdpaBackend.EFFICIENT: 1}
+    float_bshd = [ref for dt, shape, ref in made.made if (dt, shape) == (F32, (b, s, h, head_dim))]
+    # a float32 input's output has that shape too, and stays alive
+    assert len(float_bshd) == int(accumulates) + int(dtype is F32)
+    assert sum(ref() is None for ref in float_bshd) == int(accumulates)  # freed on return
+    assert out.shape == (b, h, s, head_dim) and out.dtype == dtype
 
 
 def test_fp16_softmax_to_fp32_reads_half_without_a_float_copy_on_fake_tensors():

@@ -324,7 +324,9 @@ class _FusedAttention(torch.autograd.Function):
     (returned transposed, so a following ``transpose(1, 2).reshape`` is a view, as on
     the GPU) and a float32 log-sum-exp (flash: ``(B, H, Sq)``; efficient: padded to a
     multiple of 32; cuDNN: ``(B, H, Sq, 1)``), and saves q, k, v, out, lse and, for
-    efficient and cuDNN, the additive mask. Backward allocates dq, dk, dv and the
+    efficient and cuDNN, the additive mask; efficient attention with 16-bit inputs and a
+    head dimension past 128 also allocates a float32 output accumulator for the call
+    (:func:`_efficient_forward_accumulator`). Backward allocates dq, dk, dv and the
     kernel's temporaries: flash ``softmax_d`` ``(B, H, Sq128)`` and ``dq_accum``
     ``(B, Sq128, H, D32)`` in float32 plus expanded dk/dv for GQA (flash_api.cpp,
     ``mha_bwd``); efficient a float32 ``delta`` ``(B, H, Sq)`` and, approximating its
@@ -351,11 +353,15 @@ class _FusedAttention(torch.autograd.Function):
             lse = query.new_empty(lse_shape, dtype=torch.float32)
         finally:
             _ALLOCATING.pop()
+        # The memory-efficient kernel for head dims past 128 keeps its float32 partial
+        # output in global memory for the call (efficient_forward_accumulator).
+        accumulator = _efficient_forward_accumulator(backend, query, key, value)
         out = out.transpose(1, 2)
         if _has_values(query):
             with _values_context():
                 out.copy_(_math_attention(query, key, value, bias, is_causal, scale,
                                           enable_gqa))
+        del accumulator
         kept_bias = bias if backend is not SdpaBackend.FLASH else None
         ctx.save_for_backward(query, key, value, out, lse, kept_bias)
         ctx.options = (is_causal, scale, enable_gqa, backend)
@@ -377,6 +383,37 @@ class _FusedAttention(torch.autograd.Function):
         needs = ctx.needs_input_grad
         return (*(g if need else None for g, need in zip(grads, needs)),
                 None, None, None, None, None)
+
+
+#: The largest head dimension the memory-efficient forward kernels that keep the output
+#: in registers take (``kMaxK`` of ``fmha_cutlassF_*_64x128_rf_*``/``32x128_rf``; the next,
+#: ``*_32x128_gmem_*``, has ``kMaxK`` 65536).
+EFFICIENT_RF_MAX_HEAD_DIM = 128
+
+
+def _efficient_forward_accumulator(backend: SdpaBackend, query: torch.Tensor,
+                                   key: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+    """The float32 output accumulator memory-efficient attention's forward allocates for
+    16-bit inputs with a head dimension past 128, freed when the call returns (None when
+    it allocates none).
+
+    ``_efficient_attention_forward`` (aten/src/ATen/native/transformers/cuda/attention.cu)
+    launches the first kernel of ``dispatch_cutlassF_<dtype>_sm<arch>``
+    (mem_eff_attention/kernels/cutlassF.h) whose ``kMaxK`` covers the key's and the value's
+    head dimensions: ``64x64_rf`` (64), ``64x128_rf`` (128; ``32x128_rf`` before sm80),
+    then ``32x128_gmem`` (65536). That last one iterates over the value's head dimension
+    in blocks of ``kKeysPerBlock`` = 128, so ``kSingleValueIteration`` and
+    ``kKeepOutputInRF`` are false and, where its ``output_accum_t`` (float) is not its
+    ``output_t`` (half or bfloat16), ``kNeedsOutputAccumulatorBuffer`` is true
+    (mem_eff_attention/kernel_forward.h): the call allocates ``output_accum =
+    at::empty({B, M, num_heads, Kv}, float)`` after the output and the log-sum-exp, a local
+    that dies when the call returns. float32 inputs accumulate in their output."""
+    if (backend is not SdpaBackend.EFFICIENT or query.dtype not in _LOW_PRECISION
+            or max(key.size(-1), value.size(-1)) <= EFFICIENT_RF_MAX_HEAD_DIM):
+        return None
+    batch, heads, seq_q, _ = query.shape
+    return torch.empty(batch, seq_q, heads, value.size(-1), dtype=torch.float32,
+                       device=query.device)
 
 
 def _backward_scratch(backend: SdpaBackend, query: torch.Tensor,
