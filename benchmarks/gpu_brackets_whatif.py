@@ -21,6 +21,20 @@ What-ifs:
   on a tie-break the real driver decides.
 * ``no-workspace``: every cuDNN workspace allocation is dropped (what benchmark mode
   off would give, as modelled).
+* ``sticky-workspace``: torch keeps the algorithm that ran after a workspace failed.
+  When a benchmarked convolution's kept algorithm cannot get its workspace, torch
+  searches again and caches the algorithm that then runs (``run_single_conv`` and
+  ``try_plans``'s ``benchmark_cache.update`` in aten/src/ATen/native/cudnn/Conv_v8.cpp;
+  ``try_all``'s ``cache.insert`` in Conv_v7.cpp), so every later call of that shape uses
+  it; the engine asks for the first algorithm's workspace again at every call. Here a
+  shape whose workspace failed asks for none from then on (the fallback's workspace is
+  taken as none, as in the engine), and the loop's state includes the shapes replaced.
+  A workspace's shape is the search mark just before it, so only traces of torch >= 2.0
+  (the inference rows) have one.
+* ``no-norm-copy``: the fp32 copy CUDA autocast makes of a LayerNorm's or GroupNorm's
+  16-bit input (``layer_norm``/``group_norm`` are on its fp32 list, ``cached_cast`` copies)
+  is not made: a diagnostic of the norm-heavy families the dev set answers under, not a
+  mechanism (torch's source makes the copy).
 * ``ideal-allocator``: an allocator that never fragments: a request fails only when the
   live bytes (each rounded to the allocator's 512 B; in all, to whole 2 MiB pages) would
   exceed the capacity; a
@@ -37,6 +51,7 @@ a state); the timeline is the last step's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -47,11 +62,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_brackets  # noqa: E402
 
 from batchfit.device import allocator as allocator_module  # noqa: E402
+from batchfit.device import expandable as expandable_module  # noqa: E402
 from batchfit.device import timeline  # noqa: E402
 from batchfit.device.allocator import AllocatorOutOfMemory  # noqa: E402
 from batchfit.engine.tracer import Event, EventKind  # noqa: E402
 
-WHAT_IFS = ("reverse-addresses", "no-workspace", "ideal-allocator")
+WHAT_IFS = ("reverse-addresses", "no-workspace", "sticky-workspace", "no-norm-copy",
+            "ideal-allocator")
+_NORMS = ("aten.native_layer_norm.default", "aten.native_group_norm.default")
 
 
 def install(what_if: str | None, steps: int | None) -> None:
@@ -66,10 +84,17 @@ def install(what_if: str | None, steps: int | None) -> None:
                 skipped.update(e.key for e in events if timeline.is_fallible(e))
             events = [replace(e, nbytes=0) if e.kind is EventKind.ALLOC
                       and timeline.is_fallible(e) else e for e in events]
+        if what_if == "no-norm-copy":
+            events = _without_norm_copies(events)
         return engine_loop(events, device, capacity, steps if steps_ is None else steps_,
                            record, skipped)
 
     timeline._loop = _loop
+    if what_if == "no-norm-copy":  # the bisection's lower bound sees the same events
+        engine_live = timeline.peak_live_bytes
+        timeline.peak_live_bytes = lambda events: engine_live(_without_norm_copies(events))
+    if what_if == "sticky-workspace":
+        _install_sticky_workspaces()
     if what_if == "reverse-addresses":
         engine_new_segment = allocator_module.CachingAllocator._new_segment
 
@@ -86,6 +111,58 @@ def install(what_if: str | None, steps: int | None) -> None:
     if what_if == "ideal-allocator":
         allocator_module.AllocatorConfig.new_allocator = (
             lambda self, capacity_bytes=None: IdealAllocator(capacity_bytes, self.round_size))
+
+
+def _without_norm_copies(events: Sequence[Event]) -> list[Event]:
+    """``events`` with each fp32 copy that feeds a LayerNorm or GroupNorm in the same
+    module (the next allocation after it) asking for nothing (the event count stays)."""
+    copies = set()
+    allocs = [i for i, e in enumerate(events) if e.kind is EventKind.ALLOC]
+    for i, j in itertools.pairwise(allocs):
+        e, nxt = events[i], events[j]
+        if e.op == "aten._to_copy.default" and nxt.op in _NORMS and nxt.module == e.module:
+            copies.add(e.key)
+    return [replace(e, nbytes=0) if e.kind is EventKind.ALLOC and e.key in copies else e
+            for e in events]
+
+
+def _install_sticky_workspaces() -> None:
+    """A failed workspace's shape asks for none in every later call (``sticky-workspace``).
+    The shapes replaced are kept on the allocator (one loop) and are part of its state."""
+    engine_run = timeline._run
+
+    def _run(events, allocator, handles, searched, record, skipped):
+        gone = allocator.__dict__.setdefault("sticky_replaced", set())
+        done = 0
+        for i, event in enumerate(events):
+            if not (event.kind is EventKind.ALLOC and timeline.is_fallible(event)):
+                continue
+            engine_run(events[done:i], allocator, handles, searched, record, skipped)
+            done = i + 1
+            mark = events[i - 1] if i else None  # the shape's search mark, just before
+            shape = mark.key if mark is not None and mark.kind is EventKind.EMPTY_CACHE else None
+            if shape is not None and shape in gone:  # the kept algorithm needs none
+                if skipped is not None:
+                    skipped.add(event.key)
+                if record is not None:
+                    record[0].append(allocator.allocated_bytes)
+                    record[1].append(allocator.reserved_bytes)
+                continue
+            failed: set[int] = set()
+            engine_run([event], allocator, handles, searched, record, failed)
+            if failed:
+                if skipped is not None:
+                    skipped.update(failed)
+                if shape is not None:
+                    gone.add(shape)
+        engine_run(events[done:], allocator, handles, searched, record, skipped)
+
+    timeline._run = _run
+    for cls in (allocator_module.CachingAllocator, expandable_module.ExpandableAllocator):
+        engine_layout = cls.layout
+        cls.layout = (lambda self, owners, _layout=engine_layout:
+                      (_layout(self, owners),
+                       frozenset(self.__dict__.get("sticky_replaced", ()))))
 
 
 def _pages(nbytes: int) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from batchfit.device import allocator as allocator_module
+from batchfit.device import expandable as expandable_module
 from batchfit.device import timeline
 from batchfit.device.profile import DeviceProfile
 from batchfit.engine.tracer import Category, Event, EventKind, Phase
@@ -44,6 +45,12 @@ STEP = [_event(EventKind.ALLOC, 1, 40), _event(EventKind.FREE, 1, 40),
 def restore_replay(monkeypatch):
     """Each test installs a what-if; put the engine's pieces back afterwards."""
     monkeypatch.setattr(timeline, "_loop", timeline._loop)
+    monkeypatch.setattr(timeline, "_run", timeline._run)
+    monkeypatch.setattr(timeline, "peak_live_bytes", timeline.peak_live_bytes)
+    monkeypatch.setattr(allocator_module.CachingAllocator, "layout",
+                        allocator_module.CachingAllocator.layout)
+    monkeypatch.setattr(expandable_module.ExpandableAllocator, "layout",
+                        expandable_module.ExpandableAllocator.layout)
     monkeypatch.setattr(allocator_module.CachingAllocator, "_new_segment",
                         allocator_module.CachingAllocator._new_segment)
     monkeypatch.setattr(allocator_module.AllocatorConfig, "new_allocator",
@@ -125,3 +132,67 @@ def test_ideal_allocator_needs_the_live_peak(restore_replay):
     skip_ws = [_event(EventKind.ALLOC, 5, 45), _event(EventKind.ALLOC, 6, 10, WS),
                _event(EventKind.FREE, 6, 10, WS), _event(EventKind.FREE, 5, 45)]
     assert timeline._fits(skip_ws, DEV, 46 * MiB)  # 45 + 10 > 46: the workspace is skipped
+
+
+# A convolution shape (search mark -7) whose 40 MiB workspace fails while x (50) is live,
+# and a second call of the same shape after x is freed.
+MARK = Event(EventKind.EMPTY_CACHE, -7, 0, Category.TEMPORARIES, "m", "cudnn benchmark search",
+             Phase.FORWARD)
+SAME_SHAPE_TWICE = [_event(EventKind.ALLOC, 1, 50), MARK,
+                    _event(EventKind.ALLOC, 2, 40, WS), _event(EventKind.FREE, 2, 40, WS),
+                    _event(EventKind.FREE, 1, 50), MARK,
+                    _event(EventKind.ALLOC, 3, 40, WS), _event(EventKind.FREE, 3, 40, WS)]
+
+
+def _allocated_at_second_workspace() -> int:
+    record: tuple[list[int], list[int]] = ([], [])
+    timeline._loop(SAME_SHAPE_TWICE, DEV, 80 * MiB, 1, record)
+    return record[0][6]
+
+
+def test_sticky_workspace_keeps_the_fallback_for_the_shape(restore_replay):
+    # At 80 MiB: x takes a 50 MiB segment; the first workspace would make it 90, nothing is
+    # wholly free to release, so it fails (torch runs another algorithm). x is freed; the
+    # second call's workspace fits x's cached 50 MiB block. The engine asks for it again
+    # (40 MiB allocated); torch cached the algorithm that ran, which the what-if takes as
+    # needing none (0 allocated).
+    assert _allocated_at_second_workspace() == 40 * MiB
+    whatif.install("sticky-workspace", steps=None)
+    assert _allocated_at_second_workspace() == 0
+    skipped: set[int] = set()
+    timeline._loop(SAME_SHAPE_TWICE, DEV, 80 * MiB, 1, None, skipped)
+    assert skipped == {2, 3}  # the one that failed and the one never asked for
+
+
+NORM = "aten.native_layer_norm.default"
+COPY = "aten._to_copy.default"
+
+
+def _norm_event(kind: EventKind, key: int, mib: int, op: str, module: str) -> Event:
+    return Event(kind, key, mib * MiB, Category.ACTIVATIONS, module, op, Phase.FORWARD)
+
+
+# LayerNorm's fp32 copy of its input (20 MiB) and its output (20) in one module; then a
+# cast for a linear layer (10) and its output (10) in another.
+NORM_STEP = [_norm_event(EventKind.ALLOC, 1, 20, COPY, "norm"),
+             _norm_event(EventKind.ALLOC, 2, 20, NORM, "norm"),
+             _norm_event(EventKind.FREE, 1, 20, COPY, "norm"),
+             _norm_event(EventKind.ALLOC, 3, 10, COPY, "fc"),
+             _norm_event(EventKind.ALLOC, 4, 10, "aten.addmm.default", "fc"),
+             _norm_event(EventKind.FREE, 3, 10, COPY, "fc"),
+             _norm_event(EventKind.FREE, 2, 20, NORM, "norm"),
+             _norm_event(EventKind.FREE, 4, 10, "aten.addmm.default", "fc")]
+
+
+def test_no_norm_copy_drops_only_the_copy_a_norm_reads(restore_replay):
+    # The norm: its copy and its output (20 + 20 MiB) are live together, each in a segment
+    # of its own: 40 MiB live and 40 of segments. Without the copy: 20 and 20. The whole
+    # step peaks at 40 MiB live either way, at the linear layer's output (the norm's 20,
+    # the cast 10, the output 10), because the cast that feeds a matmul is kept.
+    norm_only = NORM_STEP[:3]
+    assert timeline.peak_live_bytes(norm_only) == 40 * MiB
+    assert timeline.needed_bytes(norm_only, DEV) == 40 * MiB
+    whatif.install("no-norm-copy", steps=None)
+    assert timeline.peak_live_bytes(norm_only) == 20 * MiB
+    assert timeline.needed_bytes(norm_only, DEV) == 20 * MiB
+    assert timeline.peak_live_bytes(NORM_STEP) == 40 * MiB
