@@ -354,7 +354,7 @@ class _FusedAttention(torch.autograd.Function):
         finally:
             _ALLOCATING.pop()
         # The memory-efficient kernel for head dims past 128 keeps its float32 partial
-        # output in global memory for the call (efficient_forward_accumulator).
+        # output in global memory for the call (_efficient_forward_accumulator).
         accumulator = _efficient_forward_accumulator(backend, query, key, value)
         out = out.transpose(1, 2)
         if _has_values(query):
@@ -401,10 +401,10 @@ def _efficient_forward_accumulator(backend: SdpaBackend, query: torch.Tensor,
     launches the first kernel of ``dispatch_cutlassF_<dtype>_sm<arch>``
     (mem_eff_attention/kernels/cutlassF.h) whose ``kMaxK`` covers the key's and the value's
     head dimensions: ``64x64_rf`` (64), ``64x128_rf`` (128; ``32x128_rf`` before sm80),
-    then ``32x128_gmem`` (65536). That last one iterates over the value's head dimension
-    in blocks of ``kKeysPerBlock`` = 128, so ``kSingleValueIteration`` and
-    ``kKeepOutputInRF`` are false and, where its ``output_accum_t`` (float) is not its
-    ``output_t`` (half or bfloat16), ``kNeedsOutputAccumulatorBuffer`` is true
+    then ``32x128_gmem`` (65536). For that last one ``kSingleValueIteration`` (``kMaxK <=
+    kKeysPerBlock``: 65536 > 128) and so ``kKeepOutputInRF`` are false and, where its
+    ``output_accum_t`` (float) is not its ``output_t`` (half or bfloat16),
+    ``kNeedsOutputAccumulatorBuffer`` is true
     (mem_eff_attention/kernel_forward.h): the call allocates ``output_accum =
     at::empty({B, M, num_heads, Kv}, float)`` after the output and the log-sum-exp, a local
     that dies when the call returns. float32 inputs accumulate in their output."""
