@@ -649,17 +649,20 @@ def test_math_path_saves_the_seq_by_seq_matrix():
 
 
 class Allocations(TorchDispatchMode):
-    """Records (dtype, shape) of every tensor an aten op returns."""
+    """Records (dtype, shape) of every tensor an aten op returns, and in ``refs`` a weak
+    reference to it (dead once the tensor is freed)."""
 
     def __init__(self):
         super().__init__()
         self.made = []
+        self.refs = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, tuple | list) else (out,):
             if isinstance(t, torch.Tensor):
                 self.made.append((t.dtype, tuple(t.shape)))
+                self.refs.append(weakref.ref(t))
         return out
 
 
@@ -726,21 +729,6 @@ def test_efficient_attention_saves_the_mask_as_a_padded_bias():
     assert ("torch.float32", (2, 4, 32)) in saved  # log-sum-exp rounded up to 32 rows
 
 
-class Made(TorchDispatchMode):
-    """Keeps a weak reference to every tensor an aten op returns, with its dtype and shape."""
-
-    def __init__(self):
-        super().__init__()
-        self.made = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.made.append((t.dtype, tuple(t.shape), weakref.ref(t)))
-        return out
-
-
 @pytest.mark.parametrize("dtype, head_dim, cc, accumulates", [
     (F16, 256, (8, 0), True),  # past 128: the 32x128_gmem kernel, float accumulator
     (BF16, 160, (8, 0), True),
@@ -756,14 +744,15 @@ def test_efficient_forward_allocates_a_float_accumulator_past_head_dim_128(
     # and, where kNeedsOutputAccumulatorBuffer, at::empty({B, M, H, Kv}, float) = (2, 64,
     # 4, D) float32, a local freed when the call returns. The output stays alive.
     b, h, s = 2, 4, 64
-    made = Made()
+    made = Allocations()
     with FakeTensorMode():
         q = torch.empty(b, h, s, head_dim, dtype=dtype)
         mask = torch.ones(s, s, dtype=torch.bool)
         with CudaEmulation(cc) as emu, made:
             out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
     assert emu.sdpa_backends == {SdpaBackend.EFFICIENT: 1}
-    float_bshd = [ref for dt, shape, ref in made.made if (dt, shape) == (F32, (b, s, h, head_dim))]
+    float_bshd = [ref for made_as, ref in zip(made.made, made.refs)
+                  if made_as == (F32, (b, s, h, head_dim))]
     # a float32 input's output has that shape too, and stays alive
     assert len(float_bshd) == int(accumulates) + int(dtype is F32)
     assert sum(ref() is None for ref in float_bshd) == int(accumulates)  # freed on return
