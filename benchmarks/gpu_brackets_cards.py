@@ -23,8 +23,9 @@ smaller one. Compiled (``-dynamo``) and CPU files are left out.
 
 Each pair shows the memory CUDA gives each card (batchfit's catalog, ``cuda_total_mib``).
 ``--dev-results`` adds, for each dev row of a pair whose cards' memories are within 1%
-of each other, the batch the other card ran where it differs, and where the engine's
-answer (the same for both cards up to that 1%) lies against the row's bracket.
+of each other, the batch the other card ran where that contradicts the row's bracket (by
+the same rule), and where the engine's answer (the same for both cards up to that 1%)
+lies against the bracket.
 
     cd benchmarks && python gpu_brackets_cards.py --timm-results PATH/pytorch-image-models/results \\
         --dev-results results/gpu_brackets/s14_I120.jsonl results/gpu_brackets/s14_other.jsonl
@@ -122,6 +123,38 @@ def _side(predicted: int, low: int, high: int) -> str:
     return "under" if predicted < low else ("over" if predicted >= high else "inside")
 
 
+def _disagrees(ran: int, start: int, low: int, high: int) -> bool:
+    """Whether the other card's batch ``ran`` (its file starting at ``start``) contradicts
+    the bracket ``[low, high)``: it ran ``high`` or more, or failed ``low`` (it ran less,
+    below its start)."""
+    return ran >= high or (ran < low and ran < start)
+
+
+def _dev_lines(pairs: list[tuple[BenchmarkFile, BenchmarkFile]], dev_results: Sequence[Path]
+               ) -> list[str]:
+    """The dev rows of equal-memory pairs whose other card contradicts their bracket."""
+    title = "Dev rows whose other card (same stack, memory within 1%) contradicts their bracket:"
+    lines = [title, "", "| model | size | card | bracket | other card ran | answer | side |",
+             "|---|---|---|---|---|---|---|"]
+    partner = {}
+    for pair in pairs:
+        low, high = sorted(f.memory_mib for f in pair)
+        if high <= SAME_MEMORY_RATIO * low:
+            for i in (0, 1):
+                batches = pair[1 - i].batches()
+                partner[pair[i].path.name] = (pair[1 - i].gpu, batches, max(batches.values()))
+    for row in sorted(_dev_rows(dev_results), key=lambda r: (r["model"], r["gpu"])):
+        if row.get("source_file") not in partner:
+            continue
+        gpu, batches, start = partner[row["source_file"]]
+        ran = batches.get((row["model"], str(row["img_size"])))
+        low, high, predicted = row["batch_fit"], row["batch_failed"], row["predicted"]
+        if ran is not None and _disagrees(ran, start, low, high):
+            lines.append(f"| {row['model']} | {row['img_size']} | {row['gpu']} | [{low}, {high}) "
+                         f"| {ran} ({gpu}) | {predicted} | {_side(predicted, low, high)} |")
+    return lines
+
+
 def report(files: list[BenchmarkFile], dev_results: Sequence[Path] = ()) -> str:
     """The markdown report: one line per same-stack pair, then the dev rows in them."""
     pairs = same_stack_pairs(files)
@@ -134,22 +167,7 @@ def report(files: list[BenchmarkFile], dev_results: Sequence[Path] = ()) -> str:
                      f"({second.memory_mib:,}) | {counts[FIRST]} | {counts[SECOND]} | "
                      f"{counts[EQUAL]} |")
     if dev_results:
-        lines += ["", "Dev rows whose other card (same stack, memory within 1%) ran another batch:",
-                  "",
-                  "| model | size | card | bracket | other card ran | answer | side |",
-                  "|---|---|---|---|---|---|---|"]
-        partner = {pair[i].path.name: pair[1 - i] for pair in pairs for i in (0, 1)
-                   if max(pair[0].memory_mib, pair[1].memory_mib)
-                   <= SAME_MEMORY_RATIO * min(pair[0].memory_mib, pair[1].memory_mib)}
-        for row in sorted(_dev_rows(dev_results), key=lambda r: (r["model"], r["gpu"])):
-            other = partner.get(row.get("source_file", ""))
-            ran = other.batches().get((row["model"], str(row["img_size"]))) if other else None
-            if ran is None or row["batch_fit"] <= ran < row["batch_failed"]:
-                continue
-            lines.append(f"| {row['model']} | {row['img_size']} | {row['gpu']} | "
-                         f"[{row['batch_fit']}, {row['batch_failed']}) | {ran} ({other.gpu}) | "
-                         f"{row['predicted']} | "
-                         f"{_side(row['predicted'], row['batch_fit'], row['batch_failed'])} |")
+        lines += [""] + _dev_lines(pairs, dev_results)
     return "\n".join(lines) + "\n"
 
 

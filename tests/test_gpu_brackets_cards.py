@@ -84,6 +84,17 @@ def test_report_places_dev_rows_of_equal_memory_pairs(tmp_path: Path) -> None:
     assert "m_equal" not in text.split("Dev rows")[1]
 
 
+@pytest.mark.parametrize(("ran", "start", "contradicts"), [
+    (512, 1024, True),    # the other card failed 768, which this one ran
+    (512, 512, False),    # 512 was the other file's start: it never tried 768
+    (1024, 1024, True),   # the other card ran 1024, which failed here
+    (768, 1024, False),   # the same bracket
+])
+def test_a_bracket_is_contradicted_by_the_decay_rule(ran: int, start: int, contradicts: bool
+                                                       ) -> None:
+    assert cards._disagrees(ran, start, 768, 1024) is contradicts
+
+
 def test_a_missing_folder_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
     assert cards.main(["--timm-results", str(tmp_path / "nope"), "--out",
                        str(tmp_path / "o.md")]) == 2
