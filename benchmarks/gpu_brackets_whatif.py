@@ -43,6 +43,13 @@ What-ifs:
   even so, the card held fewer tensors than traced; where only the engine's answer is
   under, the replay's fragmentation is what puts it there.
 
+* ``at-card-capacity``: a step fits when its replay runs at the card's own capacity (its
+  memory less the context). The engine asks for more: the least capacity above which every
+  capacity fits (:func:`batchfit.device.timeline.needed_bytes`), because with fallible
+  workspaces fitting is not monotone in the capacity (more room lets a workspace in,
+  whose cached segment then fragments what follows), so a step can fit at the card's
+  capacity and fail a little above it. This measures what that rule costs.
+
 ``--steps N`` replays the step exactly N times through one allocator instead of the
 engine's rule (:func:`batchfit.device.timeline.loop_steps`: until the allocator repeats
 a state); the timeline is the last step's.
@@ -68,7 +75,7 @@ from batchfit.device.allocator import AllocatorOutOfMemory  # noqa: E402
 from batchfit.engine.tracer import Event, EventKind  # noqa: E402
 
 WHAT_IFS = ("reverse-addresses", "no-workspace", "sticky-workspace", "no-norm-copy",
-            "ideal-allocator")
+            "ideal-allocator", "at-card-capacity")
 _NORMS = ("aten.native_layer_norm.default", "aten.native_group_norm.default")
 
 
@@ -108,6 +115,8 @@ def install(what_if: str | None, steps: int | None) -> None:
             return block
 
         allocator_module.CachingAllocator._new_segment = _new_segment
+    if what_if == "at-card-capacity":
+        _install_at_card_capacity()
     if what_if == "ideal-allocator":
         allocator_module.AllocatorConfig.new_allocator = (
             lambda self, capacity_bytes=None: IdealAllocator(capacity_bytes, self.round_size))
@@ -163,6 +172,24 @@ def _install_sticky_workspaces() -> None:
         cls.layout = (lambda self, owners, _layout=engine_layout:
                       (_layout(self, owners),
                        frozenset(self.__dict__.get("sticky_replaced", ()))))
+
+
+def _install_at_card_capacity() -> None:
+    """A step fits when its replay runs at the card's own capacity (``at-card-capacity``),
+    also where the engine's need is higher because some larger capacity fails."""
+    engine_least = timeline._least_capacity
+
+    def _least_capacity(events, device, steps=None):
+        needed = engine_least(events, device, steps)
+        if not device.is_cuda or device.total_memory_bytes is None:
+            return needed
+        unit = 2 << 20
+        card = (device.total_memory_bytes - device.outside_allocator_bytes) // unit * unit
+        if needed <= card or not timeline._fits(events, device, card, steps):
+            return needed
+        return card
+
+    timeline._least_capacity = _least_capacity
 
 
 def _pages(nbytes: int) -> int:

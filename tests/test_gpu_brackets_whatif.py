@@ -55,6 +55,7 @@ def restore_replay(monkeypatch):
                         allocator_module.CachingAllocator._new_segment)
     monkeypatch.setattr(allocator_module.AllocatorConfig, "new_allocator",
                         allocator_module.AllocatorConfig.new_allocator)
+    monkeypatch.setattr(timeline, "_least_capacity", timeline._least_capacity)
 
 
 def test_the_engine_splits_the_cached_segment_and_needs_70_mib(restore_replay):
@@ -196,3 +197,29 @@ def test_no_norm_copy_drops_only_the_copy_a_norm_reads(restore_replay):
     assert timeline.peak_live_bytes(norm_only) == 20 * MiB
     assert timeline.needed_bytes(norm_only, DEV) == 20 * MiB
     assert timeline.peak_live_bytes(NORM_STEP) == 40 * MiB
+
+
+# x (40) stays; a 62 MiB workspace; y (30) and w (24) allocated, y freed; then z (36).
+# Below 102 MiB the workspace does not fit (40 + 62) and is skipped: y and w get segments
+# of their own, z's cudaMalloc releases y's wholly free 30 MiB segment and needs
+# 40 + 24 + 36 = 100 MiB. From 102 the workspace gets a segment; y splits it (32 remain),
+# w splits the remainder (8 remain), y is freed: [30 free | w | 8 free], and z (36) needs
+# a new segment that nothing wholly free can make room for: 102 + 36 = 138 MiB.
+WINDOW = [_event(EventKind.ALLOC, 1, 40), _event(EventKind.ALLOC, 2, 62, WS),
+          _event(EventKind.FREE, 2, 62, WS), _event(EventKind.ALLOC, 3, 30),
+          _event(EventKind.ALLOC, 4, 24), _event(EventKind.FREE, 3, 30),
+          _event(EventKind.ALLOC, 5, 36), _event(EventKind.FREE, 4, 24),
+          _event(EventKind.FREE, 5, 36), _event(EventKind.FREE, 1, 40)]
+
+
+def test_at_card_capacity_takes_the_card_where_a_larger_capacity_fails(restore_replay):
+    card = DeviceProfile.cuda(100 * MiB, (8, 0), context_bytes=0, workspace_bytes=0)
+    assert timeline._fits(WINDOW, card, 100 * MiB, 1)
+    assert not timeline._fits(WINDOW, card, 102 * MiB, 1)
+    assert not timeline._fits(WINDOW, card, 136 * MiB, 1)
+    assert timeline.needed_bytes(WINDOW, card, loop=False) == 138 * MiB  # the engine's rule
+    whatif.install("at-card-capacity", steps=1)
+    assert timeline.needed_bytes(WINDOW, card) == 100 * MiB
+    # a 110 MiB card is inside the failing range: the engine's answer stands
+    larger = DeviceProfile.cuda(110 * MiB, (8, 0), context_bytes=0, workspace_bytes=0)
+    assert timeline.needed_bytes(WINDOW, larger) == 138 * MiB
