@@ -65,11 +65,15 @@ class BenchmarkFile:
     gpu: str
 
     @property
-    def memory_mib(self) -> int:
-        """What CUDA gives the card, from batchfit's catalog."""
+    def memory_mib(self) -> int | None:
+        """What CUDA gives the card, from batchfit's catalog (None for a card it lacks)."""
         from batchfit.device.catalog import find_gpu
+        from batchfit.errors import InvalidInputError
 
-        return find_gpu(self.gpu).usable_memory_bytes >> 20
+        try:
+            return find_gpu(self.gpu).usable_memory_bytes >> 20
+        except InvalidInputError:
+            return None
 
     @property
     def stack(self) -> tuple[str, str, str, str, str]:
@@ -119,6 +123,11 @@ def _dev_rows(paths: Sequence[Path]) -> list[dict]:
     return [json.loads(line) for path in paths for line in path.read_text().splitlines() if line]
 
 
+def _mib(item: BenchmarkFile) -> str:
+    memory = item.memory_mib
+    return "not in the catalog" if memory is None else f"{memory:,}"
+
+
 def _side(predicted: int, low: int, high: int) -> str:
     return "under" if predicted < low else ("over" if predicted >= high else "inside")
 
@@ -138,7 +147,10 @@ def _dev_lines(pairs: list[tuple[BenchmarkFile, BenchmarkFile]], dev_results: Se
              "|---|---|---|---|---|---|---|"]
     partner = {}
     for pair in pairs:
-        low, high = sorted(f.memory_mib for f in pair)
+        memories = [f.memory_mib for f in pair]
+        if None in memories:
+            continue
+        low, high = sorted(memories)
         if high <= SAME_MEMORY_RATIO * low:
             for i in (0, 1):
                 batches = pair[1 - i].batches()
@@ -163,9 +175,8 @@ def report(files: list[BenchmarkFile], dev_results: Sequence[Path] = ()) -> str:
     for first, second in pairs:
         counts = compare(first.batches(), second.batches())
         stack = f"{first.mode} {first.precision} {first.layout} torch {first.torch} cu{first.cuda}"
-        lines.append(f"| {stack} | {first.gpu} ({first.memory_mib:,}) | {second.gpu} "
-                     f"({second.memory_mib:,}) | {counts[FIRST]} | {counts[SECOND]} | "
-                     f"{counts[EQUAL]} |")
+        lines.append(f"| {stack} | {first.gpu} ({_mib(first)}) | {second.gpu} ({_mib(second)}) "
+                     f"| {counts[FIRST]} | {counts[SECOND]} | {counts[EQUAL]} |")
     if dev_results:
         lines += [""] + _dev_lines(pairs, dev_results)
     return "\n".join(lines) + "\n"

@@ -95,6 +95,21 @@ def test_a_bracket_is_contradicted_by_the_decay_rule(ran: int, start: int, contr
     assert cards._disagrees(ran, start, 768, 1024) is contradicts
 
 
+def test_a_card_the_catalog_lacks_is_shown_and_not_paired_for_dev_rows(tmp_path: Path) -> None:
+    first, second = (tmp_path / "benchmark-infer-amp-nchw-pt240-cu124-rtx3090.csv",
+                     tmp_path / "benchmark-infer-amp-nchw-pt240-cu124-nosuchcard.csv")
+    _write(tmp_path, first.name, 0)
+    _write(tmp_path, second.name, 1)
+    results = tmp_path / "dev.jsonl"
+    results.write_text(json.dumps({"model": "m_first", "img_size": 224, "gpu": "RTX 3090",
+                                   "source_file": first.name, "batch_fit": 768,
+                                   "batch_failed": 1024, "predicted": 700}) + "\n")
+    text = cards.report([cards.parse_file_name(first), cards.parse_file_name(second)], [results])
+    # pairs list their cards by name: nosuchcard first, so its "runs more" counts lead
+    assert "| nosuchcard (not in the catalog) | rtx3090 (24,268) | 2 | 2 | 1 |" in text
+    assert "m_first" not in text
+
+
 def test_a_missing_folder_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
     assert cards.main(["--timm-results", str(tmp_path / "nope"), "--out",
                        str(tmp_path / "o.md")]) == 2
