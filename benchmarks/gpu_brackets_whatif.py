@@ -183,7 +183,7 @@ def _install_at_card_capacity() -> None:
         needed = engine_least(events, device, steps)
         if not device.is_cuda or device.total_memory_bytes is None:
             return needed
-        unit = 2 << 20
+        unit = timeline._SEGMENT_UNIT  # as fits_within rounds the solver's budget
         card = (device.total_memory_bytes - device.outside_allocator_bytes) // unit * unit
         if needed <= card or not timeline._fits(events, device, card, steps):
             return needed
