@@ -36,13 +36,16 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
-import json
 import re
 import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_brackets import load_cache, outcome
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_brackets"
 _NAME = re.compile(r"benchmark-(?P<mode>infer|train)-(?P<precision>[a-z0-9_]+)-(?P<layout>nchw|nhwc)"
@@ -119,17 +122,9 @@ def same_stack_pairs(files: Iterable[BenchmarkFile]) -> list[tuple[BenchmarkFile
             for pair in itertools.combinations(sorted(group, key=lambda f: f.gpu), 2)]
 
 
-def _dev_rows(paths: Sequence[Path]) -> list[dict]:
-    return [json.loads(line) for path in paths for line in path.read_text().splitlines() if line]
-
-
 def _mib(item: BenchmarkFile) -> str:
     memory = item.memory_mib
     return "not in the catalog" if memory is None else f"{memory:,}"
-
-
-def _side(predicted: int, low: int, high: int) -> str:
-    return "under" if predicted < low else ("over" if predicted >= high else "inside")
 
 
 def _disagrees(ran: int, start: int, low: int, high: int) -> bool:
@@ -139,7 +134,8 @@ def _disagrees(ran: int, start: int, low: int, high: int) -> bool:
     return ran >= high or (ran < low and ran < start)
 
 
-def _dev_lines(pairs: list[tuple[BenchmarkFile, BenchmarkFile]], dev_results: Sequence[Path]
+def _dev_lines(pairs: list[tuple[BenchmarkFile, BenchmarkFile]],
+               batches: dict[Path, dict[tuple[str, str], int]], dev_results: Sequence[Path]
                ) -> list[str]:
     """The dev rows of equal-memory pairs whose other card contradicts their bracket."""
     title = "Dev rows whose other card (same stack, memory within 1%) contradicts their bracket:"
@@ -152,33 +148,35 @@ def _dev_lines(pairs: list[tuple[BenchmarkFile, BenchmarkFile]], dev_results: Se
             continue
         low, high = sorted(memories)
         if high <= SAME_MEMORY_RATIO * low:
-            for i in (0, 1):
-                batches = pair[1 - i].batches()
-                partner[pair[i].path.name] = (pair[1 - i].gpu, batches, max(batches.values()))
-    for row in sorted(_dev_rows(dev_results), key=lambda r: (r["model"], r["gpu"])):
+            for this, other in (pair, pair[::-1]):
+                theirs = batches[other.path]
+                partner[this.path.name] = (other.gpu, theirs, max(theirs.values()))
+    rows = [row for path in dev_results for row in load_cache(path).values()]
+    for row in sorted(rows, key=lambda r: (r["model"], r["gpu"])):
         if row.get("source_file") not in partner:
             continue
-        gpu, batches, start = partner[row["source_file"]]
-        ran = batches.get((row["model"], str(row["img_size"])))
-        low, high, predicted = row["batch_fit"], row["batch_failed"], row["predicted"]
+        gpu, theirs, start = partner[row["source_file"]]
+        ran = theirs.get((row["model"], str(row["img_size"])))
+        low, high = row["batch_fit"], row["batch_failed"]
         if ran is not None and _disagrees(ran, start, low, high):
             lines.append(f"| {row['model']} | {row['img_size']} | {row['gpu']} | [{low}, {high}) "
-                         f"| {ran} ({gpu}) | {predicted} | {_side(predicted, low, high)} |")
+                         f"| {ran} ({gpu}) | {row.get('predicted')} | {outcome(row)} |")
     return lines
 
 
 def report(files: list[BenchmarkFile], dev_results: Sequence[Path] = ()) -> str:
     """The markdown report: one line per same-stack pair, then the dev rows in them."""
     pairs = same_stack_pairs(files)
+    batches = {f.path: f.batches() for pair in pairs for f in pair}  # each paired file, once
     lines = [("| stack | first card (MiB) | second card (MiB) | first runs more | "
               "second runs more | equal |"), "|---|---|---|---|---|---|"]
     for first, second in pairs:
-        counts = compare(first.batches(), second.batches())
+        counts = compare(batches[first.path], batches[second.path])
         stack = f"{first.mode} {first.precision} {first.layout} torch {first.torch} cu{first.cuda}"
         lines.append(f"| {stack} | {first.gpu} ({_mib(first)}) | {second.gpu} ({_mib(second)}) "
                      f"| {counts[FIRST]} | {counts[SECOND]} | {counts[EQUAL]} |")
     if dev_results:
-        lines += [""] + _dev_lines(pairs, dev_results)
+        lines += [""] + _dev_lines(pairs, batches, dev_results)
     return "\n".join(lines) + "\n"
 
 

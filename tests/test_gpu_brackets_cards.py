@@ -70,10 +70,12 @@ def test_report_places_dev_rows_of_equal_memory_pairs(tmp_path: Path) -> None:
     _write(tmp_path, B, 1)
     results = tmp_path / "dev.jsonl"
     rows = [  # the 3090's m_first row: bracket [768, 1024), the 4090 ran 512
-        {"model": "m_first", "img_size": 224, "gpu": "RTX 3090", "source_file": A,
+        {"key": "memory:1:m_first", "model": "m_first", "img_size": 224, "gpu": "RTX 3090",
+         "source_file": A,
          "batch_fit": 768, "batch_failed": 1024, "predicted": 700},
         # the 4090's m_equal row: the 3090 ran the same batch, so it is not listed
-        {"model": "m_equal", "img_size": 224, "gpu": "RTX 4090", "source_file": B,
+        {"key": "memory:2:m_equal", "model": "m_equal", "img_size": 224, "gpu": "RTX 4090",
+         "source_file": B,
          "batch_fit": 512, "batch_failed": 768, "predicted": 600}]
     results.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     files = [cards.parse_file_name(tmp_path / A), cards.parse_file_name(tmp_path / B)]
@@ -101,7 +103,8 @@ def test_a_card_the_catalog_lacks_is_shown_and_not_paired_for_dev_rows(tmp_path:
     _write(tmp_path, first.name, 0)
     _write(tmp_path, second.name, 1)
     results = tmp_path / "dev.jsonl"
-    results.write_text(json.dumps({"model": "m_first", "img_size": 224, "gpu": "RTX 3090",
+    results.write_text(json.dumps({"key": "memory:1:m_first", "model": "m_first",
+                                   "img_size": 224, "gpu": "RTX 3090",
                                    "source_file": first.name, "batch_fit": 768,
                                    "batch_failed": 1024, "predicted": 700}) + "\n")
     text = cards.report([cards.parse_file_name(first), cards.parse_file_name(second)], [results])
