@@ -24,6 +24,11 @@ MIB = 1 << 20
     ({"stack": "torch2.4+cu124"}, ((2, 4), (12, 4), 90100)),
     ({"stack": "2.9.1/12.8"}, ((2, 9), (12, 8), 91002)),
     ({"torch_version": "2.9.1", "cuda_version": "cu130"}, ((2, 9), (13, 0), 91300)),
+    # cuDNN 9.15.1.9 in the 2.10 CUDA 13 wheels (pytorch/pytorch#171189, #173677); 2.11,
+    # not in the table, takes the nearest older release's (the stack the GPU kit runs)
+    ({"stack": "torch2.10+cu130"}, ((2, 10), (13, 0), 91501)),
+    ({"stack": "torch2.11+cu130"}, ((2, 11), (13, 0), 91501)),
+    ({"stack": "torch2.10+cu128"}, ((2, 10), (12, 8), 91002)),
 ])
 def test_versions_parse(kwargs, expected):
     stack = Stack.parse(**kwargs)

@@ -119,6 +119,12 @@ _RELEASES: dict[tuple[int, int], dict[tuple[int, int], int]] = {
     (2, 7): {(11, 8): 90100, (12, 6): 90501, (12, 8): 90701},
     (2, 8): {(12, 6): 91002, (12, 8): 91002, (12, 9): 91002},
     (2, 9): {(12, 6): 91002, (12, 8): 91002, (13, 0): 91300},
+    # cuDNN 9.15.1.9 for the CUDA 13 builds from 2.10 (pytorch/pytorch#171189, the 2.10
+    # cherry-pick "Upgrade cuDNN to 9.15.1 for CUDA 13 builds", and #173677, "Update release
+    # 2.10 CUDNN version to 9.15.1.9"); the CUDA 12 builds were not upgraded there. 2.11 is
+    # the nearest older entry's until read off a 2.11 wheel (benchmarks/gpu_truth records
+    # ``torch.backends.cudnn.version()`` on the card it runs on).
+    (2, 10): {(12, 6): 91002, (12, 8): 91002, (13, 0): 91501},
 }
 #: CUDA toolkit versions torch has been built with (major, minor).
 _CUDA_VERSIONS = frozenset({(10, 2), (11, 0), (11, 1), (11, 3), (11, 5), (11, 6), (11, 7),
