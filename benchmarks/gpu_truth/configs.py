@@ -51,8 +51,9 @@ class Config:
     def key(self) -> str:
         flags = ("-bench" if self.cudnn_benchmark else "") + ("-infmode" if self.inference_mode
                                                               else "")
+        optimizer = self.optimizer if self.mode == "train" else "-"
         return (f"{self.model}|{self.input}|{self.mode}|{self.precision}|{self.layout}|"
-                f"{self.optimizer}{flags}|{self.cap_mib}MiB")
+                f"{optimizer}{flags}|{self.cap_mib}MiB")
 
     @property
     def cap_bytes(self) -> int:
