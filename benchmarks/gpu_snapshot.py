@@ -74,18 +74,20 @@ def timm_step(row: gb.Row, batch_size: int) -> Any:
     return train
 
 
-def record_step(step: Any, path: Path) -> dict[str, Any]:
+def record_step(step: Any, path: Path, max_entries: int = 1_000_000,
+                stacks: str = "all") -> dict[str, Any]:
     """Run ``step`` WARMUP_STEPS times, then once with the allocator's history recorded;
     pickle the snapshot to ``path`` and return it. A recorded step that runs out of memory
     is recorded too: the snapshot then ends with the allocator's ``oom`` entry, which is the
-    point when the question is why a predicted batch failed."""
+    point when the question is why a predicted batch failed. ``max_entries`` and ``stacks``
+    (``"python"``: no C++ frames) bound the snapshot's size."""
     import torch
 
     for _ in range(WARMUP_STEPS):
         step()
     torch.cuda.synchronize()
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks=stacks)
     try:
         try:
             step()

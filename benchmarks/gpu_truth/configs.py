@@ -45,6 +45,7 @@ class Config:
     cudnn_benchmark: bool = False
     inference_mode: bool = False
     cap_mib: int = 8 * 1024
+    model_kwargs: tuple[str, ...] = ()  # "key=value", as --model-kwargs takes them
     note: str = ""
 
     @property
@@ -52,7 +53,8 @@ class Config:
         flags = ("-bench" if self.cudnn_benchmark else "") + ("-infmode" if self.inference_mode
                                                               else "")
         optimizer = self.optimizer if self.mode == "train" else "-"
-        return (f"{self.model}|{self.input}|{self.mode}|{self.precision}|{self.layout}|"
+        model = ",".join((self.model, *self.model_kwargs))
+        return (f"{model}|{self.input}|{self.mode}|{self.precision}|{self.layout}|"
                 f"{optimizer}{flags}|{self.cap_mib}MiB")
 
     @property
@@ -70,6 +72,8 @@ class Config:
                 self.precision]
         if self.mode == "train":
             args += ["--optimizer", self.optimizer]
+        for item in self.model_kwargs:
+            args += ["--model-kwargs", item]
         if self.layout == "nhwc":
             args.append("--channels-last")
         if self.inference_mode:
@@ -99,7 +103,7 @@ class Config:
         shape = None if seq_len is not None else self.input
         spec, inputs, config = _setup(
             self.model, shape, seq_len, self.mode, self.optimizer if self.mode == "train"
-            else None, self.precision, None, self.layout == "nhwc", [],
+            else None, self.precision, None, self.layout == "nhwc", list(self.model_kwargs),
             LlmArgs(None, None, "standard", 1, False, False, None, None),
             cudnn_benchmark=self.cudnn_benchmark, inference_mode=self.inference_mode,
             alloc_conf=None)
@@ -196,9 +200,10 @@ DRY_CONFIGS: tuple[Config, ...] = (
            cap_mib=192),
     Config("torchvision:mobilenet_v3_small", "3x32x32", mode=I, precision="fp32",
            inference_mode=True, cap_mib=96),
-    Config("hf:openai-community/gpt2", "seq32", precision="fp32", optimizer="sgd", cap_mib=1024),
+    Config("hf:openai-community/gpt2", "seq32", precision="fp32", optimizer="sgd", cap_mib=128,
+           model_kwargs=("n_layer=1", "n_embd=64", "n_head=2")),
 )
-DRY_SNAPSHOT_KEYS: tuple[str, ...] = (DRY_CONFIGS[0].key,)
+DRY_SNAPSHOT_KEYS: tuple[str, ...] = (DRY_CONFIGS[2].key,)
 
 
 def configs_for(dry_run: bool) -> tuple[Config, ...]:
