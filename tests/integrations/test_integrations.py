@@ -28,6 +28,13 @@ from batchfit.integrations._trials import FoundBatchSize
 from batchfit.integrations.decorator import find_batch_size
 
 
+#: Where the callbacks' bit-exact checks run: the CPU here, CUDA where a card is (the GPU
+#: truth kit runs ``pytest -m gpu`` on one).
+ON_DEVICES = pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+
+
 def oom(batch_size: int) -> torch.OutOfMemoryError:
     return torch.OutOfMemoryError(f"CUDA out of memory (batch {batch_size}). Tried to "
                                   "allocate 20.00 MiB")
@@ -242,33 +249,38 @@ def dataset(size: int) -> TensorDataset:
                          torch.randn(size, 1, generator=generator))
 
 
-def fit(pl, model, callbacks, root, datamodule=None, max_steps: int = 5):
+def fit(pl, model, callbacks, root, datamodule=None, max_steps: int = 5,
+        accelerator: str = "cpu"):
     trainer = pl.Trainer(max_steps=max_steps, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, accelerator="cpu", default_root_dir=root)
+                         enable_model_summary=False, accelerator=accelerator,
+                         default_root_dir=root)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
         trainer.fit(model, datamodule=datamodule)
     return trainer
 
 
-def test_lightning_lands_on_the_threshold_and_the_fit_is_bit_exact(pl, tmp_path):
+@ON_DEVICES
+def test_lightning_lands_on_the_threshold_and_the_fit_is_bit_exact(pl, tmp_path, device):
     from batchfit.integrations.lightning import BatchfitFinder
 
     pl.seed_everything(0, verbose=False)
     model = lightning_net(pl, threshold=24)
     finder = BatchfitFinder(headroom=0.0)  # no budget on the CPU: doubling from 2
-    trainer = fit(pl, model, [finder], tmp_path)
+    trainer = fit(pl, model, [finder], tmp_path, accelerator=device)
     assert model.batch_size == 24 and finder.search.max_batch_size == 24
-    assert finder.search.confirmed and finder.search.predicted_max_batch_size is None
-    assert [t.batch_size for t in finder.search.trials][:5] == [2, 4, 8, 16, 32]
+    assert finder.search.confirmed
+    if device == "cpu":  # on a card the search starts from the card's prediction
+        assert finder.search.predicted_max_batch_size is None
+        assert [t.batch_size for t in finder.search.trials][:5] == [2, 4, 8, 16, 32]
     assert (25, False) in [(t.batch_size, t.fits) for t in finder.search.trials]
     assert model.seen[-5:] == [24] * 5 and trainer.global_step == 5
     assert list(tmp_path.iterdir()) == []  # no checkpoint file left behind
 
     pl.seed_everything(0, verbose=False)
     by_hand = lightning_net(pl, threshold=24, batch_size=24)
-    reference = fit(pl, by_hand, [], tmp_path)
+    reference = fit(pl, by_hand, [], tmp_path, accelerator=device)
     for (name, value), expected in zip(model.state_dict().items(), by_hand.state_dict().values()):
         assert torch.equal(value, expected), name
     ours, theirs = trainer.optimizers[0].state_dict(), reference.optimizers[0].state_dict()
@@ -380,7 +392,7 @@ def hf():
 
 
 def hf_trainer(hf, tmp_path, batch_size: int, train_threshold: int | None = None,
-               eval_threshold: int | None = None, samples: int = 64):
+               eval_threshold: int | None = None, samples: int = 64, device: str = "cpu"):
     """A 2-layer GPT-2 built from a config; its forward runs out of memory above the
     thresholds (training: grad enabled; evaluation: no grad), only on real tensors."""
     torch.manual_seed(0)
@@ -402,16 +414,18 @@ def hf_trainer(hf, tmp_path, batch_size: int, train_threshold: int | None = None
     for _ in range(samples):
         ids = torch.randint(0, 128, (8,), generator=generator)
         data.append({"input_ids": ids, "labels": ids.clone()})
-    args = hf.TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=3,
+    args = hf.TrainingArguments(str(tmp_path / "out"), use_cpu=device == "cpu", report_to=[],
+                                max_steps=3,
                                 save_strategy="no", logging_strategy="no", disable_tqdm=True,
                                 per_device_train_batch_size=batch_size, seed=0)
     return hf.Trainer(model=model, args=args, train_dataset=data, eval_dataset=data)
 
 
-def test_trainer_lands_on_the_threshold_and_training_is_bit_exact(hf, tmp_path):
+@ON_DEVICES
+def test_trainer_lands_on_the_threshold_and_training_is_bit_exact(hf, tmp_path, device):
     from batchfit.integrations.huggingface import find_trainer_batch_size
 
-    trainer = hf_trainer(hf, tmp_path, batch_size=8, train_threshold=20)
+    trainer = hf_trainer(hf, tmp_path, batch_size=8, train_threshold=20, device=device)
     found = find_trainer_batch_size(trainer, predicted=24, headroom=0.0)
     assert found.train.max_batch_size == 20 and found.train.confirmed
     assert found.train.trials[0].batch_size == 24 - math.ceil(0.1 * 24)
@@ -421,7 +435,7 @@ def test_trainer_lands_on_the_threshold_and_training_is_bit_exact(hf, tmp_path):
     assert found.evaluation is None
     trainer.train()
 
-    by_hand = hf_trainer(hf, tmp_path, batch_size=20)
+    by_hand = hf_trainer(hf, tmp_path, batch_size=20, device=device)
     by_hand.train()
     assert trainer.state.global_step == by_hand.state.global_step == 3
     for (name, value), expected in zip(trainer.model.state_dict().items(),
