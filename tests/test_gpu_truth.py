@@ -26,16 +26,16 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_truth.bisect import BoundarySearch  # noqa: E402
-from benchmarks.gpu_truth.configs import (  # noqa: E402
+from benchmarks.gpu_truth.bisect import BoundarySearch
+from benchmarks.gpu_truth.configs import (
     CONFIGS,
     DRY_CONFIGS,
     SNAPSHOT_KEYS,
     Config,
 )
-from benchmarks.gpu_truth.predict import predictions_path, read_predictions  # noqa: E402
-from benchmarks.gpu_truth.report import outcome, score_csv  # noqa: E402
-from benchmarks.gpu_truth.results import COLUMNS  # noqa: E402
+from benchmarks.gpu_truth.predict import predictions_path, read_predictions
+from benchmarks.gpu_truth.report import outcome, score_csv
+from benchmarks.gpu_truth.results import COLUMNS
 
 MIB = 1 << 20
 REQUIRED = ("model", "mode", "precision", "layout", "input", "cap_bytes", "boundary",
@@ -220,8 +220,9 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 def test_help_needs_no_torch():
     """``--help`` answers before anything heavy is imported (the device command's check)."""
-    done = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; "
-                           "from benchmarks.gpu_truth.run import main; main(['--help'])"],
+    code = ("import sys; sys.modules['torch'] = None; "
+            "from benchmarks.gpu_truth.run import main; main(['--help'])")
+    done = subprocess.run([sys.executable, "-c", code],
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": "src"},
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0 and "--budget-s" in done.stdout

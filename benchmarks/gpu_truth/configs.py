@@ -113,7 +113,7 @@ class Config:
         return {**asdict(self), "key": self.key}
 
 
-def _c(model: str, input: str, cap_gib: float, **kw: Any) -> Config:  # noqa: A002
+def _c(model: str, input: str, cap_gib: float, **kw: Any) -> Config:
     return Config(model, input, cap_mib=int(cap_gib * 1024), **kw)
 
 

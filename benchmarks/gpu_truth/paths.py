@@ -143,7 +143,9 @@ class PathRunner:
             if not self.queue:
                 return None
             spec = self.queue.pop(0)
-            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            # closed by _collect when the command ends (the loop must not wait on it)
+            out = tempfile.TemporaryFile("w+")  # noqa: SIM115
+            err = tempfile.TemporaryFile("w+")  # noqa: SIM115
             process = subprocess.Popen(spec.argv, stdout=out, stderr=err, env=self.env,
                                        cwd=ROOT, start_new_session=True)
             self.current = (spec, process, out, err, time.monotonic())

@@ -69,7 +69,7 @@ def preload(dry_run: bool) -> None:
     import torchvision  # noqa: F401
     import transformers  # noqa: F401
 
-    import batchfit.cli.app  # noqa: F401
+    import batchfit.cli.app
     import batchfit.realrun.trial  # noqa: F401
     if not dry_run:
         import timm  # noqa: F401
@@ -219,7 +219,7 @@ class Kit:
         record = {"config": config.to_dict(), "device": self.info, **trial}
         write_json(self.snap_dir / f"{slug(key)}.json", record)
         self.say(f"snapshot {key} at B={trial['batch_size']}: "
-                 f"{'recorded' if 'message' not in trial else trial['message']}")
+                 f"{trial.get('message', 'recorded')}")
         pickle = self.snap_dir / f"{slug(key)}.pickle"
         if self.paths is not None and pickle.exists() and "estimate-snapshot" not in (
                 self.paths_done) and "message" not in trial:
