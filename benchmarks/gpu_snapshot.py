@@ -75,19 +75,21 @@ def timm_step(row: gb.Row, batch_size: int) -> Any:
 
 
 def record_step(step: Any, path: Path, max_entries: int = 1_000_000,
-                stacks: str = "all") -> dict[str, Any]:
+                stacks: str = "all", context: str = "all") -> dict[str, Any]:
     """Run ``step`` WARMUP_STEPS times, then once with the allocator's history recorded;
     pickle the snapshot to ``path`` and return it. A recorded step that runs out of memory
     is recorded too: the snapshot then ends with the allocator's ``oom`` entry, which is the
-    point when the question is why a predicted batch failed. ``max_entries`` and ``stacks``
-    (``"python"``: no C++ frames) bound the snapshot's size."""
+    point when the question is why a predicted batch failed. ``max_entries``, ``stacks``
+    (``"python"``: no C++ frames) and ``context`` (``"alloc"``: stacks of allocations
+    only, the ones the comparison labels) bound the snapshot's size."""
     import torch
 
     for _ in range(WARMUP_STEPS):
         step()
     torch.cuda.synchronize()
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks=stacks)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks=stacks,
+                                             context=context)
     try:
         try:
             step()

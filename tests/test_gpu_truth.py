@@ -218,6 +218,14 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
+def test_the_readme_device_command_fits_the_tool():
+    (command,) = re.findall(r"```\n(set -o pipefail;[^\n]*)\n```",
+                            (ROOT / "README.md").read_text())
+    assert len(command) < 2000  # the device tool's limit
+    assert "python3 -m benchmarks.gpu_truth --budget-s 480" in command
+    assert "PYTHONPATH=src" in command and "$OUT/kit.log" in command
+
+
 def test_help_needs_no_torch():
     """``--help`` answers before anything heavy is imported (the device command's check)."""
     code = ("import sys; sys.modules['torch'] = None; "
@@ -273,3 +281,17 @@ def test_dry_run_end_to_end_resume_and_budget(tmp_path):
     assert time.monotonic() - start < 12 + 60  # the imports, then at most the budget
     rows = read_csv(third / "boundaries.csv")
     assert all(r["status"] == "open" for r in rows)
+
+
+def test_the_snapshot_bundle_leaves_out_the_largest_snapshot_over_the_limit(tmp_path):
+    from benchmarks.gpu_truth.results import write_snapshots
+
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    (folder / "big.pickle").write_bytes(os.urandom(200_000))  # random: gzip cannot shrink it
+    (folder / "small.pickle").write_bytes(os.urandom(20_000))
+    (folder / "big.json").write_text("{}")
+    left_out = write_snapshots(tmp_path / "bundle.tar.gz", folder, limit_bytes=100_000)
+    assert left_out == ["big.pickle"]
+    with tarfile.open(tmp_path / "bundle.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["big.json", "small.pickle"]

@@ -47,8 +47,11 @@ def batchfit_commit() -> str:
     """HEAD's short hash, ``+dirty`` when ``src/`` has uncommitted changes (the answers
     then come from code no commit holds)."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              check=False).stdout.strip()
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  check=False).stdout.strip()
+        except OSError:  # no git (the device machine may lack it)
+            return ""
 
     head = git("rev-parse", "--short=12", "HEAD") or "unknown"
     return head + ("+dirty" if git("status", "--porcelain", "--", "src") else "")

@@ -95,13 +95,28 @@ def write_trials(path: Path, trials: list[dict[str, Any]]) -> None:
     _write(path, "".join(json.dumps(t, default=str) + "\n" for t in trials))
 
 
-def write_snapshots(path: Path, folder: Path) -> None:
-    """Bundle every file of ``folder`` (snapshots and their configs) into one tarball."""
+#: The device tool returns no file over 16 MiB: the bundle stays under this.
+BUNDLE_LIMIT_BYTES = 15 << 20
+
+
+def write_snapshots(path: Path, folder: Path, limit_bytes: int = BUNDLE_LIMIT_BYTES
+                    ) -> list[str]:
+    """Bundle every file of ``folder`` (snapshots and their configs) into one tarball;
+    while it is over ``limit_bytes``, leave out the largest snapshot (its config stays).
+    Returns the snapshots left out."""
+    left_out: list[str] = []
     tmp = path.with_suffix(".tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
-        for file in sorted(folder.iterdir()):
-            tar.add(file, arcname=file.name)
+    while True:
+        files = [f for f in sorted(folder.iterdir()) if f.name not in left_out]
+        with tarfile.open(tmp, "w:gz") as tar:
+            for file in files:
+                tar.add(file, arcname=file.name)
+        pickles = [f for f in files if f.suffix == ".pickle"]
+        if tmp.stat().st_size <= limit_bytes or not pickles:
+            break
+        left_out.append(max(pickles, key=lambda f: f.stat().st_size).name)
     tmp.replace(path)
+    return left_out
 
 
 def _write(path: Path, text: str) -> None:

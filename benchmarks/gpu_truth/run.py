@@ -99,6 +99,10 @@ class Kit:
         self.trials: list[dict[str, Any]] = []
         self.stalled: set[str] = set()
         self.info: dict[str, Any] = {}
+        self.snapshots_left_out: list[str] = []
+        from benchmarks.gpu_truth.predict import batchfit_commit
+
+        self.commit = batchfit_commit()
 
     def say(self, text: str) -> None:
         print(f"[{time.monotonic() - self.start:6.1f}s] {text}", flush=True)
@@ -124,7 +128,8 @@ class Kit:
         name = self.info.get("device_name", "unknown")
         date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
         env_out = os.environ.get("OUT")
-        self.out = self.args.out or (Path(env_out) if env_out else RESULTS / f"{slug(name)}-{date}")
+        self.folder_name = f"{slug(name)}-{date}"  # where the lead commits the results
+        self.out = self.args.out or (Path(env_out) if env_out else RESULTS / self.folder_name)
         self.out.mkdir(parents=True, exist_ok=True)
         resume = self.args.resume_from
         if resume is None and self.cuda:
@@ -218,6 +223,7 @@ class Kit:
         config = self.configs[key]
         record = {"config": config.to_dict(), "device": self.info, **trial}
         write_json(self.snap_dir / f"{slug(key)}.json", record)
+        self.bundle_snapshots()
         self.say(f"snapshot {key} at B={trial['batch_size']}: "
                  f"{trial.get('message', 'recorded')}")
         pickle = self.snap_dir / f"{slug(key)}.pickle"
@@ -283,16 +289,16 @@ class Kit:
             self.write()
 
     def write(self, final: bool = False) -> None:
-        from benchmarks.gpu_truth.predict import batchfit_commit
         from benchmarks.gpu_truth.report import compare_paths
         from benchmarks.gpu_truth.results import (
             boundary_row,
             write_csv,
             write_json,
-            write_snapshots,
             write_trials,
         )
 
+        if final:
+            self.bundle_snapshots()
         rows = [boundary_row(config, self.searches[key], self.predictions.get(key, {}),
                              self.info)
                 for key, config in self.configs.items() if self.searches[key].trials()]
@@ -304,13 +310,21 @@ class Kit:
         status = {key: s.trials() and ("done" if s.done() else "open")
                   for key, s in self.searches.items()}
         write_json(self.out / "run.json", {
-            "device": self.info, "kit_commit": batchfit_commit(), "dry_run": self.args.dry_run,
+            "device": self.info, "kit_commit": self.commit, "folder_name": self.folder_name,
+            "dry_run": self.args.dry_run,
             "budget_s": self.args.budget_s, "elapsed_s": round(time.monotonic() - self.start, 1),
             "final": final, "resumed_from": self.resumed_from,
             "rows_done": sum(1 for v in status.values() if v == "done"),
-            "rows_total": len(status), "stalled": sorted(self.stalled)})
+            "rows_total": len(status), "stalled": sorted(self.stalled),
+            "snapshots_left_out": self.snapshots_left_out})
+
+    def bundle_snapshots(self) -> None:
+        """Rewrite ``snapshots.tar.gz`` (only when a snapshot is added: it is large)."""
+        from benchmarks.gpu_truth.results import write_snapshots
+
         if any(self.snap_dir.iterdir()):
-            write_snapshots(self.out / "snapshots.tar.gz", self.snap_dir)
+            self.snapshots_left_out = write_snapshots(self.out / "snapshots.tar.gz",
+                                                      self.snap_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

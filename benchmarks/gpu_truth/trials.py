@@ -33,7 +33,7 @@ from benchmarks.gpu_truth.configs import Config
 #: CPU threads per trial child (16 cores shared by the concurrent trials).
 THREADS_PER_TRIAL = 2
 #: Entries kept by the snapshot's allocator history (one steady step; bounded).
-SNAPSHOT_MAX_ENTRIES = 200_000
+SNAPSHOT_MAX_ENTRIES = 100_000
 
 
 def device_info(cuda: bool) -> dict[str, Any]:
@@ -120,7 +120,7 @@ def _cpu_trial(factory: Any, inputs: Any, train_config: Any, cap_bytes: int,
 
 def record_snapshot(config: Config, batch_size: int, cuda: bool, path: Path) -> dict[str, Any]:
     """One steady step of ``config`` at ``batch_size`` recorded with the allocator's history
-    (python stacks only, :data:`SNAPSHOT_MAX_ENTRIES`), pickled to ``path``; on the CPU
+    (python stacks of allocations only, :data:`SNAPSHOT_MAX_ENTRIES`), pickled to ``path``; on the CPU
     (dry run) the step runs unrecorded and uncapped, and only the config is written. The warm-up and the
     recording are ``benchmarks/gpu_snapshot.py``'s :func:`record_step`."""
     import torch
@@ -143,7 +143,7 @@ def record_snapshot(config: Config, batch_size: int, cuda: bool, path: Path) -> 
         if cuda:
             record_step = _gpu_snapshot().record_step
             snapshot = record_step(step, path, max_entries=SNAPSHOT_MAX_ENTRIES,
-                                   stacks="python")
+                                   stacks="python", context="alloc")
             result.update(segments=len(snapshot.get("segments", ())),
                           events=sum(len(t) for t in snapshot.get("device_traces", ())),
                           peak_reserved_bytes=torch.cuda.max_memory_reserved(device))
