@@ -17,10 +17,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-import keras
 import numpy as np
 import pytest
 import torch
+
+keras = pytest.importorskip("keras")  # optional (the GPU machine lacks it): skip, not error
 
 from batchfit.integrations.keras import BatchSizeFinder
 
