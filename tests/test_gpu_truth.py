@@ -261,7 +261,9 @@ def test_dry_run_end_to_end_resume_and_budget(tmp_path):
         (member,) = [m for m in tar.getnames() if m.endswith(".json")]
         record = json.load(tar.extractfile(member))
     assert record["config"]["key"] == row["key"] and record["batch_size"] == boundary
-    assert json.loads((first / "run.json").read_text())["final"] is True
+    run = json.loads((first / "run.json").read_text())
+    assert run["final"] is True
+    assert run["device"]["batchfit_path"] == str(ROOT / "src" / "batchfit")  # not the venv's
 
     # resume: the row is done, so no trial runs again and the rows are the same
     done = run_kit("--dry-run", "--out", str(second), "--resume-from", str(first), "--only",
@@ -295,3 +297,32 @@ def test_the_snapshot_bundle_leaves_out_the_largest_snapshot_over_the_limit(tmp_
     assert left_out == ["big.pickle"]
     with tarfile.open(tmp_path / "bundle.tar.gz") as tar:
         assert sorted(tar.getnames()) == ["big.json", "small.pickle"]
+
+
+def test_the_snapshot_diff_sets_a_recorded_step_against_the_prediction(tmp_path):
+    """A run folder with one snapshot made by hand (the documented format: a 20 MiB
+    segment, one 4 MiB allocation made and freed): the diff runs ``estimate --snapshot``
+    for the row's step, and reads back the real peaks counted here."""
+    import pickle
+
+    from benchmarks.gpu_truth.snapshot_diff import diff_run
+
+    config = DRY_CONFIGS[2]
+    snapshot = {"segments": [{"total_size": 20 * MIB, "blocks": [
+        {"size": 20 * MIB, "state": "inactive"}]}], "device_traces": [[
+            {"action": "segment_alloc", "addr": 0, "size": 20 * MIB},
+            {"action": "alloc", "addr": 0, "size": 4 * MIB, "frames": []},
+            {"action": "free_completed", "addr": 0, "size": 4 * MIB, "frames": []}]]}
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    (folder / "row.pickle").write_bytes(pickle.dumps(snapshot))
+    (folder / "row.json").write_text(json.dumps({"config": config.to_dict(), "batch_size": 2}))
+    with tarfile.open(tmp_path / "snapshots.tar.gz", "w:gz") as tar:
+        for file in folder.iterdir():
+            tar.add(file, arcname=file.name)
+    result = diff_run(tmp_path)[config.key]
+    assert "--snapshot" in result["command"] and "--overhead 0" in result["command"]
+    comparison = result["comparison"]
+    assert comparison["real_peak_allocated_bytes"] == 4 * MIB
+    assert comparison["real_peak_reserved_bytes"] == 20 * MIB
+    assert comparison["predicted_peak_allocated_bytes"] > 0

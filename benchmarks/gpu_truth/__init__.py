@@ -28,8 +28,9 @@ Parts, in priority order and side by side where the card allows:
    batchfit's own step (:mod:`.trials`);
 3. the snapshots: one steady step at the boundary of ConvNeXt-T 384, BiT-R101x3, EVA02-L
    448 and seresnet152d 256 recorded with ``_record_memory_history`` (python stacks,
-   bounded entries). Diff them here afterwards with ``batchfit estimate ... --snapshot``
-   or ``benchmarks/gpu_snapshot.py``'s comparison (``batchfit.device.snapshot``).
+   bounded entries). Diff them here afterwards against batchfit's predicted step:
+   ``python3 -m benchmarks.gpu_truth.snapshot_diff RUN_FOLDER`` (:mod:`.snapshot_diff`,
+   ``batchfit estimate --snapshot`` per snapshot, :mod:`batchfit.device.snapshot`).
 
 Afterwards, here: ``python3 -m benchmarks.gpu_truth.report
 benchmarks/results/gpu/*/boundaries.csv`` scores each run (in / above / below on the

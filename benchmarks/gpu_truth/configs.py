@@ -95,6 +95,21 @@ class Config:
             args += ["--device", "cpu"]
         return args
 
+    def estimate_argv(self, batch_size: int, snapshot: str) -> list[str]:
+        """``batchfit estimate`` of this step on the predicted card and cap, set against a
+        snapshot recorded on the device (the snapshot diff, run on the CPU)."""
+        args = ["estimate", *self.step_args(), "--batch-size", str(batch_size), "--gpu",
+                PREDICT_GPU, "--memory", f"{self.cap_mib}MiB", "--overhead", "0", "--stack",
+                PREDICT_STACK, "--snapshot", snapshot, "--json"]
+        return args + (["--cudnn-benchmark"] if self.cudnn_benchmark else [])
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """The inverse of :meth:`to_dict` (a snapshot's record)."""
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        fields["model_kwargs"] = tuple(fields.get("model_kwargs", ()))
+        return cls(**fields)
+
     def trial_setup(self) -> tuple[Any, Any, Any]:
         """``(factory, inputs, TrainConfig)`` of the real step, as the CLI builds them."""
         from batchfit.cli.app import LlmArgs, _setup

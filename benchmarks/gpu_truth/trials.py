@@ -40,8 +40,11 @@ def device_info(cuda: bool) -> dict[str, Any]:
     """The stack and the card: torch, CUDA, cuDNN, driver, name, memory, what CUDA offers."""
     import torch
 
+    import batchfit
+
     info: dict[str, Any] = {"torch_version": torch.__version__, "cuda_version": torch.version.cuda,
-                            "python": platform.python_version(), "cuda": cuda}
+                            "python": platform.python_version(), "cuda": cuda,
+                            "batchfit_path": str(Path(batchfit.__file__).resolve().parent)}
     if not cuda:
         return {**info, "device_name": f"cpu ({platform.machine()})", "cudnn_version": None,
                 "total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
