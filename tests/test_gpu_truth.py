@@ -236,6 +236,15 @@ def test_help_needs_no_torch():
     assert done.returncode == 0 and "--budget-s" in done.stdout
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a card is here")
+def test_without_a_card_the_kit_says_so_in_one_line(tmp_path):
+    done = run_kit("--out", str(tmp_path / "out"), "--budget-s", "30", timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert "no CUDA device" in line and "--dry-run" in line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_dry_run_end_to_end_resume_and_budget(tmp_path):
     first, second, third = tmp_path / "first", tmp_path / "second", tmp_path / "third"

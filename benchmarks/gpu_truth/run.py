@@ -240,6 +240,10 @@ class Kit:
         slots = self.args.jobs or (6 if self.cuda else 2)
         pool = ForkPool(1 << 62, slots)
         self.info = self.probe(pool)
+        if "device_name" not in self.info:
+            print(f"error: no CUDA device to measure ({self.info.get('message', '?')}): run "
+                  "the kit where a card is, or try the pipeline with --dry-run", file=sys.stderr)
+            return 2
         self.open_folder()
         use_paths = "paths" in self.parts
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
