@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_truth.bisect import BoundarySearch
 from benchmarks.gpu_truth.configs import (
     CONFIGS,
     DRY_CONFIGS,
@@ -36,6 +35,7 @@ from benchmarks.gpu_truth.configs import (
 from benchmarks.gpu_truth.predict import predictions_path, read_predictions
 from benchmarks.gpu_truth.report import outcome, score_csv
 from benchmarks.gpu_truth.results import COLUMNS
+from benchmarks.gpu_truth.search import BoundarySearch
 
 MIB = 1 << 20
 REQUIRED = ("model", "mode", "precision", "layout", "input", "cap_bytes", "boundary",

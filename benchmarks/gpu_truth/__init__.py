@@ -20,7 +20,7 @@ Parts, in priority order and side by side where the card allows:
    binsearch (:mod:`.peers`), ``bench --device cuda`` beside ``bench --predict``,
    ``noise --device cuda``, ``pytest -m gpu`` (the callbacks' CUDA bit-exact tests among
    them), and ``estimate --snapshot`` once a snapshot exists;
-2. the boundaries (:mod:`.bisect`): per row, batchfit's answer for the cap alone
+2. the boundaries (:mod:`.search`): per row, batchfit's answer for the cap alone
    (:mod:`.predict`, committed in ``predictions.csv``) is tried first, then +/-1, then a
    gallop and a bisection to ``failed_at == boundary + 1``; each trial is a fresh CUDA
    process forked from a parent that imported the libraries but never CUDA (:mod:`.pool`),

@@ -28,8 +28,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_truth.bisect import BoundarySearch
 from benchmarks.gpu_truth.configs import Config
+from benchmarks.gpu_truth.search import BoundarySearch
 
 COLUMNS = ("model", "mode", "precision", "layout", "input", "cap_bytes", "boundary",
            "failed_at", "predicted", "device_name", "torch_version", "status",

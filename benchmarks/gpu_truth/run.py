@@ -1,7 +1,7 @@
 """The kit's entry point: one command, one time budget, every part in priority order.
 
 Parts, started in this order and run side by side where the card allows: the CUDA paths'
-smoke runs (:mod:`.paths`, one command at a time), the boundary trials (:mod:`.bisect`
+smoke runs (:mod:`.paths`, one command at a time), the boundary trials (:mod:`.search`
 over :mod:`.trials` in forked children, :mod:`.pool`), the snapshots of the snapshot rows
 once their boundary is known, then ``estimate --snapshot`` on the first snapshot. At the
 budget the running children are killed, everything finished is written (:mod:`.results`)
@@ -122,8 +122,8 @@ class Kit:
                 return result
 
     def open_folder(self) -> None:
-        from benchmarks.gpu_truth.bisect import BoundarySearch
         from benchmarks.gpu_truth.results import newest_run_folder, read_previous, slug
+        from benchmarks.gpu_truth.search import BoundarySearch
 
         name = self.info.get("device_name", "unknown")
         date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
