@@ -172,6 +172,21 @@ def test_every_row_has_a_committed_prediction_with_its_command(dry_run):
             assert f"--memory {config.cap_mib}MiB" in row["command"]
 
 
+def test_a_prediction_is_stale_when_src_differs_from_its_commit():
+    from benchmarks.gpu_truth.predict import src_changed_since
+
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=ROOT,
+                           capture_output=True, text=True, check=False).stdout.strip()
+    assert src_changed_since(head.stdout.strip()) == bool(dirty)
+    assert src_changed_since("0123abc+dirty") and src_changed_since("not-a-commit")
+    # the commit before the torch 2.10 cuDNN row of engine/stack.py: src differs since
+    assert src_changed_since("3919efb")
+
+
 def test_the_prediction_is_for_the_cap_alone():
     """The cap limits the caching allocator; the CUDA context lies outside it, the cuBLAS
     and cuBLASLt workspaces (32 MiB each on sm90) inside: budget = cap - 64 MiB."""

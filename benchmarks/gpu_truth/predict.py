@@ -8,8 +8,8 @@ run in its own process with this checkout's ``src`` first on the path. The answe
 rows) with the batchfit commit they came from and the command, so any row can be checked
 by hand and the whole file recomputed with one command after a change to the engine.
 
-Resumable: rows already in the file for the same commit are kept; ``--recompute`` redoes
-every row, ``--stale`` the rows another commit made.
+Resumable: rows already in the file are kept; ``--recompute`` redoes every row,
+``--stale`` the rows made by code whose ``src/`` differs from this checkout's.
 
 Usage:
     python3 -m benchmarks.gpu_truth.predict [--dry-run] [--jobs 2] [--stale|--recompute]
@@ -55,6 +55,19 @@ def batchfit_commit() -> str:
 
     head = git("rev-parse", "--short=12", "HEAD") or "unknown"
     return head + ("+dirty" if git("status", "--porcelain", "--", "src") else "")
+
+
+def src_changed_since(commit: str) -> bool:
+    """Whether ``src/`` differs from what made a prediction at ``commit`` (a ``+dirty``
+    commit, or one git does not know, counts as changed)."""
+    if commit.endswith("+dirty") or not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+        return True
+    try:
+        done = subprocess.run(["git", "diff", "--quiet", commit, "--", "src"], cwd=ROOT,
+                              capture_output=True, check=False)
+    except OSError:
+        return True
+    return done.returncode != 0
 
 
 def read_predictions(path: Path) -> dict[str, dict[str, str]]:
@@ -114,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per row")
     parser.add_argument("--only", help="regular expression over row keys")
     redo = parser.add_mutually_exclusive_group()
-    redo.add_argument("--stale", action="store_true", help="redo rows of another commit")
+    redo.add_argument("--stale", action="store_true",
+                      help="redo rows made by another src/ than this checkout's")
     redo.add_argument("--recompute", action="store_true", help="redo every row")
     args = parser.parse_args(argv)
     path = predictions_path(args.dry_run)
@@ -128,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         old = rows.get(config.key)
         if args.recompute or old is None or old.get("error"):
             return True
-        return args.stale and old.get("batchfit_commit") != commit
+        return args.stale and src_changed_since(old.get("batchfit_commit", ""))
 
     todo = [c for c in configs if wanted(c)]
     print(f"{len(todo)} of {len(configs)} rows to predict at {commit}", flush=True)
