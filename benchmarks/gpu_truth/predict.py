@@ -99,8 +99,9 @@ def _quote(arg: str) -> str:
 def predict_one(config: Config, dry_run: bool, commit: str, timeout_s: float) -> dict[str, Any]:
     """Run the row's ``batchfit max`` and read its JSON answer."""
     argv = config.max_argv(gpu=None) if dry_run else config.max_argv()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",  # the offline table's configs, as on the card
+           "PYTHONPATH": os.pathsep.join(
+               [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     row: dict[str, Any] = {"key": config.key, "batchfit_commit": commit,
                            "command": command_text(config, dry_run)}
     start = time.perf_counter()

@@ -334,6 +334,8 @@ class Kit:
 def main(argv: list[str] | None = None) -> int:
     # before torch is imported: is_available() must not initialise CUDA here (pool.py)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    # hf: rows come from batchfit's offline table; the device has no network to wait on
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parse_args(argv)
     preload(args.dry_run)
     return Kit(args).run()
