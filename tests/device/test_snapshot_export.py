@@ -119,6 +119,13 @@ def test_export_matches_the_estimate(options):
     step = [e.nbytes for e in est.events if e.kind is EventKind.ALLOC
             and e.phase is not Phase.SETUP and e.nbytes]
     assert list(real.sizes) == step
+    # The segments at the step's allocated peak: its blocks in use are the estimate's peak
+    # allocated bytes, and (this step reserves nothing after it) all its segments the
+    # estimate's peak reserved bytes.
+    peak = snapshot["batchfit"]["peak_segments"]
+    assert sum(b["size"] for s in peak for b in s["blocks"]
+               if b["state"] == "active_allocated") == est.peak_allocated_bytes
+    assert sum(s["total_size"] for s in peak) == est.peak_reserved_bytes
     # Round trip: the export given back as the real snapshot of the same step.
     again = batchfit.estimate(_net(), (3, 32, 32), 64, optimizer="adamw", device="A100",
                               snapshot=snapshot, **options)
@@ -152,3 +159,19 @@ def test_write_snapshot_to_a_missing_folder(tmp_path):
     with pytest.raises(InvalidInputError, match="cannot write"):
         write_snapshot({}, tmp_path / "no" / "such" / "x.pickle")
 
+
+
+def test_hand_built_step_segments_at_the_peak():
+    # At the step's allocated peak (after B) the segment holds the parameter (4 MiB), A
+    # (3 MiB) and B in the whole 13 MiB block: 12 MiB requested, 1 MiB kept attached.
+    snapshot = predicted_snapshot(_step(), GPU)
+    peak = snapshot["batchfit"]
+    assert peak["peak_trace_index"] == 1  # the second action of the window: B's alloc
+    (segment,) = peak["peak_segments"]
+    base = segment["address"]
+    assert [(b["address"] - base, b["size"], b["state"], b["requested_size"])
+            for b in segment["blocks"]] == [(0, 4 * MiB, "active_allocated", 4 * MiB),
+                                            (4 * MiB, 3 * MiB, "active_allocated", 3 * MiB),
+                                            (7 * MiB, 13 * MiB, "active_allocated", 12 * MiB)]
+    assert [b["frames"][0]["name"] for b in segment["blocks"]] == [
+        "parameter", "aten.mm", "aten.addmm"]

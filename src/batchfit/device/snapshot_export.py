@@ -19,6 +19,9 @@ What it holds, as ``torch.cuda.memory._snapshot()`` documents its ``Snapshot``:
   (torch then runs another algorithm; :func:`batchfit.device.timeline.is_fallible`).
 * ``segments``: every segment at the end of that step (when ``_snapshot()`` would be
   called), its blocks in address order with their state, size and size requested.
+* ``batchfit``: batchfit's own key, which torch's readers ignore: ``peak_segments``, the
+  segments as they are when the step's allocated memory peaks (what the estimate's
+  breakdown describes), and ``peak_trace_index``, that moment in ``device_traces[0]``.
 * Frames: one per allocation, naming batchfit's op as the function and the module path
   as the file (``<root>`` for the model itself), and one naming the phase and category:
   the viewer's stack for each block.
@@ -61,9 +64,14 @@ _WORKSPACE_FRAMES = ({"filename": "<cuBLAS>", "line": 0, "name": "cuBLAS workspa
 class _RecordingAllocator(CachingAllocator):
     """The caching allocator model, keeping every action as a snapshot trace entry."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(self, capacity_bytes: int, config: Any, watch_from: int | None = None):
+        super().__init__(capacity_bytes, config=config)
         self.actions: list[dict[str, Any]] = []
+        #: from this action on, the layout at the most allocated bytes is kept
+        self.watch_from = watch_from
+        self.peak_action = -1
+        self.peak_layout: list[list[tuple[int, int, bool, int, bool]]] = []
+        self._peak_bytes = -1
 
     def malloc(self, nbytes: int) -> int:
         try:
@@ -73,7 +81,17 @@ class _RecordingAllocator(CachingAllocator):
             raise
         if nbytes:
             self.actions.append(_entry("alloc", handle, nbytes))
+            if (self.watch_from is not None and len(self.actions) > self.watch_from
+                    and self.allocated_bytes > self._peak_bytes):
+                self._peak_bytes = self.allocated_bytes
+                self.peak_action = len(self.actions) - 1
+                self.peak_layout = self.layout_now()
         return handle
+
+    def layout_now(self) -> list[list[tuple[int, int, bool, int, bool]]]:
+        """Every segment's blocks as (address, size, allocated, requested, small)."""
+        return [[(b.address, b.size, b.allocated, b.requested, b.small) for b in blocks]
+                for blocks in self._segment_blocks()]
 
     def free(self, handle: int) -> None:
         block = self._live.get(handle)
@@ -122,34 +140,55 @@ def predicted_snapshot(events: Sequence[Event], device: DeviceProfile) -> dict[s
                                 "allocator only, not expandable_segments:True")
     capacity = needed_bytes(events, device)
     steps = loop_steps(events, device, capacity) if events else 0
-    allocator = _replay(events, device, capacity, steps)
     frames = _frames_in_order(events, device, steps)
+    start = _window_start(events, device, capacity, steps, len(frames))
+    allocator = _replay(events, device, capacity, steps, watch_from=start)
     labelled = [i for i, entry in enumerate(allocator.actions)
                 if entry["action"] in ("alloc", "oom")]
     if len(labelled) != len(frames):  # pragma: no cover - the replay's own invariant
         raise AssertionError("the replay's allocations do not match the step's events")
-    live_frames: dict[int, list[dict[str, Any]]] = {}
     for index, frame in zip(labelled, frames):
-        entry = allocator.actions[index]
-        entry["frames"] = frame
-        if entry["action"] == "alloc":
-            live_frames[entry["addr"]] = frame
-    if steps > 1:  # the replay is deterministic: the steps before it made the same actions
-        start = len(_replay(events, device, capacity, steps - 1).actions)
-    else:  # after the setup's allocations
-        before = len(frames) - _allocations(_step(events)) if steps else len(frames)
-        start = labelled[before - 1] + 1 if before else 0
+        allocator.actions[index]["frames"] = frame
+    at_peak = _live_frames(allocator.actions[:allocator.peak_action + 1])
     return {
-        "segments": _segments(allocator, live_frames),
+        "segments": _segments(allocator.layout_now(), _live_frames(allocator.actions)),
         "device_traces": [allocator.actions[start:]],
         "allocator_settings": _settings(device),
+        # batchfit's own key (torch's readers ignore it): the segments when the step's
+        # allocated memory peaks, and that moment's index in device_traces[0]
+        "batchfit": {"peak_segments": _segments(allocator.peak_layout, at_peak),
+                     "peak_trace_index": allocator.peak_action - start},
     }
 
 
-def _replay(events: Sequence[Event], device: DeviceProfile, capacity: int,
-            steps: int) -> _RecordingAllocator:
+def _window_start(events: Sequence[Event], device: DeviceProfile, capacity: int, steps: int,
+                  allocations: int) -> int:
+    """Where the recorded window starts in the loop's actions: after the steps before the
+    last (the replay is deterministic, so they made the same actions), or after the
+    setup's allocations when the loop runs one step."""
+    if steps > 1:
+        return len(_replay(events, device, capacity, steps - 1).actions)
+    actions = _replay(events, device, capacity, steps).actions
+    labelled = [i for i, e in enumerate(actions) if e["action"] in ("alloc", "oom")]
+    before = allocations - _allocations(_step(events)) if steps else allocations
+    return labelled[before - 1] + 1 if before else 0
+
+
+def _live_frames(actions: Sequence[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """The frames of the allocations live after ``actions``, by address."""
+    live: dict[int, list[dict[str, Any]]] = {}
+    for entry in actions:
+        if entry["action"] == "alloc":
+            live[entry["addr"]] = entry["frames"]
+        elif entry["action"] == "free_completed":
+            live.pop(entry["addr"], None)
+    return live
+
+
+def _replay(events: Sequence[Event], device: DeviceProfile, capacity: int, steps: int,
+            watch_from: int | None = None) -> _RecordingAllocator:
     """The loop's replay for ``steps`` steps, ending with the last step (no frees after it)."""
-    allocator = _RecordingAllocator(capacity, config=device.allocator)
+    allocator = _RecordingAllocator(capacity, device.allocator, watch_from)
     if events:
         _loop(events, device, capacity, steps, allocator=allocator)
     return allocator
@@ -199,21 +238,21 @@ def _frames_in_order(events: Sequence[Event], device: DeviceProfile,
     return frames
 
 
-def _segments(allocator: _RecordingAllocator,
-              live_frames: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def _segments(layout: Sequence[Sequence[tuple[int, int, bool, int, bool]]],
+              frames: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Segments in ``_snapshot()``'s form from :meth:`_RecordingAllocator.layout_now`."""
     segments = []
-    for blocks in allocator._segment_blocks():
-        infos = [{"address": b.address, "size": b.size,
-                  "requested_size": b.requested if b.allocated else 0,
-                  "state": "active_allocated" if b.allocated else "inactive",
-                  "frames": live_frames.get(b.address, []) if b.allocated else []}
-                 for b in blocks]
-        allocated = sum(b.size for b in blocks if b.allocated)
+    for blocks in layout:
+        infos = [{"address": address, "size": size,
+                  "requested_size": requested if allocated else 0,
+                  "state": "active_allocated" if allocated else "inactive",
+                  "frames": frames.get(address, []) if allocated else []}
+                 for address, size, allocated, requested, _ in blocks]
+        used = sum(i["size"] for i in infos if i["state"] == "active_allocated")
         segments.append({
-            "device": 0, "address": blocks[0].address,
-            "total_size": sum(b.size for b in blocks), "stream": 0,
-            "segment_type": "small" if blocks[0].small else "large",
-            "segment_pool_id": (0, 0), "allocated_size": allocated, "active_size": allocated,
+            "device": 0, "address": blocks[0][0], "total_size": sum(i["size"] for i in infos),
+            "stream": 0, "segment_type": "small" if blocks[0][4] else "large",
+            "segment_pool_id": (0, 0), "allocated_size": used, "active_size": used,
             "requested_size": sum(i["requested_size"] for i in infos),
             "is_expandable": False, "frames": [], "blocks": infos})
     return segments
