@@ -17,6 +17,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e '.[dev]' $(TORCH_PIN)
 	$(PY) -m compileall -q src  # as a wheel install does (an editable one does not)
+	@# the browser tests drive Debian's chromium (playwright's own browser download is not used)
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+		|| echo "note: no chromium: the browser tests will be skipped (apt-get install chromium)"
 	touch $@
 
 demo: setup

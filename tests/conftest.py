@@ -3,6 +3,7 @@ folder there), so test modules in the subfolders and the trial processes they st
 import ``capped_models`` by that name."""
 
 import os
+import tempfile
 
 # Keras 3 picks its backend when first imported: the Keras tests (tests/engine/test_keras.py,
 # tests/integrations/test_keras_finder.py) run it on torch, the backend batchfit traces.
@@ -11,3 +12,8 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 # the tests' expected values are for torch's defaults; tests of the variables set them.
 for _name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
     os.environ.pop(_name, None)
+# Tests never download: ``hf:`` ids resolve from the offline table or a cache folder a test
+# builds (tests/models/test_hub.py), never from this machine's Hugging Face cache. Set before
+# huggingface_hub is imported, which reads both once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="batchfit-test-hf-cache-")

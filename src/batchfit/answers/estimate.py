@@ -22,7 +22,7 @@ from batchfit.device.timeline import ModuleMemory, Timeline, needed_bytes, repla
 from batchfit.engine.limits import KernelLimit
 from batchfit.engine.spec import TrainConfig, make_config
 from batchfit.engine.trace import StepTrace, TraceReuse, trace_step
-from batchfit.engine.tracer import Category, Phase
+from batchfit.engine.tracer import Category, Event, Phase
 from batchfit.errors import InvalidInputError
 
 
@@ -69,6 +69,19 @@ class MemoryEstimate:
     host_backed_bytes: int = 0  # paged optimizer state in unified memory, outside total_bytes
     #: the step set against a real CUDA memory snapshot of it (``estimate(snapshot=...)``)
     snapshot_comparison: SnapshotComparison | None = None
+    #: the traced steady step's events, which :meth:`predicted_snapshot` replays
+    events: tuple[Event, ...] = field(default=(), repr=False, compare=False)
+
+    def predicted_snapshot(self) -> dict[str, Any]:
+        """The step as a CUDA memory snapshot (``torch.cuda.memory._snapshot()``'s format),
+        for torch's memory viewer: :func:`batchfit.device.snapshot_export.predicted_snapshot`.
+
+        Raises:
+            InvalidInputError: the estimate is not for a GPU.
+        """
+        from batchfit.device.snapshot_export import predicted_snapshot
+
+        return predicted_snapshot(self.events, self.device)
 
     def explain(self) -> str:
         """One sentence saying what dominates the peak."""
@@ -197,4 +210,5 @@ def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True,
         trainable_parameter_count=trace.trainable_parameter_count, warnings=warnings,
         largest_tensor=trace.largest_tensor, largest_grid=trace.largest_grid,
         kernel_limit=trace.kernel_limit,
-        host_backed_bytes=trace.host_backed_bytes, snapshot_comparison=comparison)
+        host_backed_bytes=trace.host_backed_bytes, snapshot_comparison=comparison,
+        events=tuple(trace.steady_events))

@@ -9,6 +9,7 @@ Commands import torch and the engine lazily, so ``batchfit --help`` stays fast.
 from batchfit.cli import noise as _noise  # noqa: F401 - registers noise and recommend
 from batchfit.cli import plan as _plan  # noqa: F401 - registers plan
 from batchfit.cli import serve as _serve  # noqa: F401 - registers serve
+from batchfit.cli import webapp as _webapp  # noqa: F401 - registers ui
 from batchfit.cli.app import app, main
 
 __all__ = ["app", "main"]

@@ -100,8 +100,9 @@ def loop_steps(events: Sequence[Event], device: DeviceProfile,
 
 def _loop(events: Sequence[Event], device: DeviceProfile, capacity: int | None,
           steps: int | None = None, record: tuple[list[int], list[int]] | None = None,
-          skipped: set[int] | None = None) -> tuple[int, Any]:
-    """Replay ``events`` as a training or inference loop runs them through one allocator.
+          skipped: set[int] | None = None, allocator: Any = None) -> tuple[int, Any]:
+    """Replay ``events`` as a training or inference loop runs them through one allocator
+    (``allocator``, empty, if given: one that records its actions; by default the device's).
 
     The leading setup events (parameters, buffers, inputs, optimizer state) happen once;
     then the step; then whatever the step allocated and left alive is freed, as the next
@@ -121,7 +122,8 @@ def _loop(events: Sequence[Event], device: DeviceProfile, capacity: int | None,
     setup_end = _setup_end(events)
     step = events[setup_end:]
     tail = _tail(step)
-    allocator = device.allocator.new_allocator(capacity)
+    if allocator is None:
+        allocator = device.allocator.new_allocator(capacity)
     handles: dict[int, int] = {}
     if device.workspace_bytes:
         handles[_WORKSPACE_KEY] = allocator.malloc(device.workspace_bytes)

@@ -9,8 +9,8 @@ reasons each written in a source:
   CUDA 11.7 added lazy loading (``CUDA_MODULE_LOADING=LAZY``, CUDA 11.7 release notes),
   torch 1.13 turns it on when the user has not set it (pytorch/pytorch#86509, which
   measured 287 MB lazy against 667 MB eager for torch's own kernels), and CUDA 12.2
-  makes it the driver's default on Linux. Measured: 1,343 MB on a V100 with torch 1.10
-  (Hugging Face, "Model training anatomy"), ~300-430 MB lazy (pytorch/pytorch#107667,
+  makes it the driver's default on Linux. Measured: 1,343 MB on a V100 with a CUDA 11
+  torch before 1.13 (Hugging Face, "Model training anatomy"), ~300-430 MB lazy (pytorch/pytorch#107667,
   #109888). Eager loading loads the kernels built for the card's architecture, so the
   eager context is per compute capability where measured (1,685 MiB on an RTX 3090,
   pytorch/pytorch#55277). :meth:`Stack.context_bytes`.
@@ -80,8 +80,8 @@ MiB = 1 << 20
 #: cudaMemGetInfo's total - free, and that total already leaves out what the driver keeps
 #: (the catalog's ``cuda_total_mib``), so the two are subtracted without counting twice.
 LAZY_CONTEXT_BYTES = 512 * MiB
-#: CUDA context without lazy loading: 1,343 MB measured by nvidia-smi on a V100 with
-#: torch 1.10 after the first CUDA tensor (Hugging Face transformers docs, "Model
+#: CUDA context without lazy loading: 1,343 MB measured by nvidia-smi on a V100 with a
+#: CUDA 11 torch before 1.13 (the docs name no version) after the first CUDA tensor (Hugging Face transformers docs, "Model
 #: training anatomy"). nvidia-smi's "MB" are MiB. It is NVML's ``used`` on a card that
 #: showed "0 MB" before: the increase, without what the driver keeps (not counted twice).
 EAGER_CONTEXT_BYTES = 1343 * MiB
@@ -263,7 +263,10 @@ class Stack:
     @property
     def softmax_saves_input(self) -> bool:
         """Autograd keeps softmax's input besides its output (torch < 1.11: the backward
-        formula referenced ``self``, pytorch/pytorch#64000; #65242 removed it)."""
+        formula referenced ``self``, pytorch/pytorch#64000; #65242 removed it). The
+        generated ``torch/csrc/autograd/generated/Functions.h`` of the 1.10.0 wheels
+        declares ``SoftmaxBackward0`` with ``SavedVariable self_`` and ``result_``; 1.11.0's
+        with ``result_`` alone."""
         return self.torch_version < (1, 11)
 
     @property

@@ -12,9 +12,11 @@ Spec forms understood by :func:`resolve_model`:
   crops 480). Video models take 3x16x(crop)x(crop): 16-frame clips as in torchvision's video
   recipe. Detection and optical-flow models take lists of images and targets, which an
   input spec cannot describe: they raise :class:`ModelSpecError` (wrap them in a factory file).
-- ``hf:NAME``: a Hugging Face ``transformers`` model built from its config, never from the
-  hub. NAME is a local directory holding ``config.json``, or a name in the offline table of
-  :mod:`batchfit.models.hf_configs`. Causal LMs build ``AutoModelForCausalLM``; BERT-like encoders
+- ``hf:NAME``: a Hugging Face ``transformers`` model built from its config, never its
+  weights. NAME is a local directory holding ``config.json``, or a hub id whose config.json
+  is read from the local Hugging Face cache, the offline table of
+  :mod:`batchfit.models.hf_configs`, or the hub (unless ``HF_HUB_OFFLINE`` is set), in that
+  order (:mod:`batchfit.models.hub`). Causal LMs build ``AutoModelForCausalLM``; BERT-like encoders
   ``AutoModelForMaskedLM`` (pretraining-style memory: the vocabulary-sized logits dominate);
   T5 ``AutoModelForSeq2SeqLM``. The model kwarg ``task=`` picks another head
   (``causal-lm``, ``masked-lm``, ``seq2seq-lm``, ``sequence-classification``); the reserved
@@ -67,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchfit.engine.spec import InputSpec, TensorSpec, parse_enum
 from batchfit.errors import BatchfitError, InvalidInputError, ModelSpecError
+from batchfit.models import hub
 from batchfit.models.hf_configs import find_hf_config, hf_config_names
 
 if TYPE_CHECKING:
@@ -421,6 +424,9 @@ class _HFSource:
 
 
 def _hf_source(name: str) -> _HFSource | None:
+    """The config of ``hf:NAME``: a local directory's, the local Hugging Face cache's, the
+    offline table's, or the hub's (:mod:`batchfit.models.hub`), in that order; None when
+    none has it and the hub is not asked (offline, or not a hub id)."""
     path = Path(name).expanduser()
     if path.is_dir():
         config_file = path / "config.json"
@@ -435,17 +441,24 @@ def _hf_source(name: str) -> _HFSource | None:
             raise ModelSpecError(f"'{config_file}' has no \"model_type\": is it a transformers "
                                  "config.json?")
         return _HFSource(f"'{name}'", config)
+    on_hub = hub.is_hub_id(name)
+    cached = hub.cached_config(name) if on_hub else None
+    if cached is not None:
+        return _HFSource(f"'{name}'", cached)
     entry = find_hf_config(name)
-    if entry is None:
-        return None
-    return _HFSource(f"'{entry.hub_name}'", dict(entry.config))
+    if entry is not None:
+        return _HFSource(f"'{entry.hub_name}'", dict(entry.config))
+    if on_hub and not hub.offline():
+        return _HFSource(f"'{name}'", hub.download_config(name))
+    return None
 
 
 def _unknown_hf_error(name: str) -> ModelSpecError:
     suggestion = _suggest(name.rsplit("/", 1)[-1], hf_config_names())
-    return ModelSpecError(
-        f"unknown hf model {name!r}{suggestion} (built-in configs: batchfit.models.hf_configs; for "
-        "another model, put its config.json in a local directory and pass hf:path/to/dir)")
+    where = (f"; {hub.offline_hint(name)}" if hub.is_hub_id(name) else
+             " (built-in configs: batchfit.models.hf_configs; for another model, put its "
+             "config.json in a local directory and pass hf:path/to/dir)")
+    return ModelSpecError(f"unknown hf model {name!r}{suggestion}{where}")
 
 
 def _resolve_hf(user_spec: str, name: str, kwargs: dict[str, Any],

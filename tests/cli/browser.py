@@ -1,0 +1,40 @@
+"""A real headless browser for the tests of pages batchfit writes (Debian's chromium
+driven by playwright). Where no chromium is installed the browser tests are skipped, except
+in CI (``CI=true``), where ``make test`` installs it and a missing browser is a failure."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+
+def chromium_path() -> str | None:
+    return next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
+
+
+@contextmanager
+def open_page(url: str, width: int = 1200, height: int = 900) -> Iterator[tuple[Any, list[str]]]:
+    """The page at ``url`` in headless chromium, and the console errors it logs."""
+    executable = chromium_path()
+    if executable is None:
+        if os.environ.get("CI"):
+            pytest.fail("no chromium: make test installs Debian's chromium for the browser tests")
+        pytest.skip("no chromium installed (apt-get install chromium)")
+    playwright = pytest.importorskip("playwright.sync_api")
+    errors: list[str] = []
+    with playwright.sync_playwright() as driver:
+        browser = driver.chromium.launch(executable_path=executable,
+                                         args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url)
+            yield page, errors
+        finally:
+            browser.close()

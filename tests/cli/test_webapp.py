@@ -1,0 +1,172 @@
+"""The web app (``cli/webapp.py``): the form's words, and the page in a real browser.
+
+The browser tests fill the form in Debian's chromium, submit it and read the answer from
+the page; the command line, run with the same words in this process, must give the same
+JSON. They are slow (each answer is a fresh ``batchfit`` process tracing a model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from batchfit.cli import app
+from batchfit.cli.webapp import Request, command_words
+from browser import open_page
+
+FACTORY = '''
+from torch import nn
+
+
+def build():
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 30 * 30, 10)), (3, 32, 32)
+'''
+
+
+def test_words_for_an_estimate():
+    request = Request(model="timm:resnet18", gpu="T4", batch_size=8, precision="amp-fp16",
+                      mode="infer", seq_len=0, lora="")
+    assert command_words(request) == ["estimate", "timm:resnet18", "--batch-size", "8",
+                                      "--gpu", "T4", "--precision", "amp-fp16",
+                                      "--mode", "infer", "--json"]
+
+
+def test_words_for_a_largest_batch():
+    assert command_words(Request(model="hf:gpt2", gpu="A100", lora="r=8", quant="nf4",
+                                 seq_len=512, world_size=0)) == [
+        "max", "hf:gpt2", "--gpu", "A100", "--lora", "r=8", "--quant", "nf4",
+        "--seq-len", "512", "--json"]
+    # a model file replaces the name; on the CPU the memory is the budget
+    assert command_words(Request(model="ignored", model_file="/tmp/m.py", factory="make",
+                                 memory="2GiB")) == [
+        "max", "/tmp/m.py:make", "--memory", "2GiB", "--device", "cpu", "--json"]
+
+
+@pytest.mark.parametrize("request_, message", [
+    (Request(), "give a model"),
+    (Request(model="timm:resnet18"), "give a GPU, or a memory size"),
+])
+def test_incomplete_forms_say_what_is_missing(request_, message):
+    with pytest.raises(ValueError, match=message):
+        command_words(request_)
+
+
+@pytest.fixture(scope="module")
+def server():
+    pytest.importorskip("gradio")
+    from batchfit.cli.webapp import build_app
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    page = build_app()
+    page.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
+                        quiet=True)
+    yield f"http://127.0.0.1:{port}/"
+    page.close()
+
+
+def _fill(page, values: dict[str, str]) -> None:
+    for elem, value in values.items():
+        box = page.locator(f"#{elem} textarea, #{elem} input").first
+        box.click()
+        box.fill(value)
+        box.press("Enter" if elem == "gpu" else "Tab")
+
+
+def _answer(page, timeout_s: float = 300) -> str:
+    page.locator("#run").click()
+    page.wait_for_function(
+        "() => /Peak memory|Largest batch|Nothing fits|Error/.test("
+        "document.querySelector('#answer').innerText)", timeout=timeout_s * 1000)
+    return page.inner_text("#answer")
+
+
+def _cli(words: list[str]) -> tuple[int, dict | None, str]:
+    result = CliRunner().invoke(app, words)
+    try:
+        data = json.loads(result.stdout)
+    except ValueError:
+        data = None
+    return result.exit_code, data, result.stderr
+
+
+@pytest.mark.slow
+def test_an_estimate_in_the_browser_equals_the_cli(server, tmp_path):
+    with open_page(server) as (page, errors):
+        page.wait_for_selector("#model textarea, #model input")
+        _fill(page, {"model": "torchvision:resnet18", "gpu": "T4", "batch": "4"})
+        text = _answer(page).replace("*", "")
+        page.screenshot(path=str(tmp_path / "ui.png"), full_page=True)
+    assert errors == []
+    code, data, _ = _cli(["estimate", "torchvision:resnet18", "--batch-size", "4",
+                          "--gpu", "T4", "--json"])
+    assert code == 0
+    assert f"({data['total_bytes']:,} bytes) on {data['device']['name']}" in text
+
+
+@pytest.mark.slow
+def test_a_model_file_upload_answers_as_the_cli(server, tmp_path):
+    model_file = tmp_path / "small.py"
+    model_file.write_text(FACTORY)
+    with open_page(server) as (page, errors):
+        page.wait_for_selector("#model-file input[type=file]", state="attached")
+        page.set_input_files("#model-file input[type=file]", str(model_file))
+        _fill(page, {"gpu": "T4"})
+        text = _answer(page).replace("*", "")
+    assert errors == []
+    code, data, _ = _cli(["max", f"{model_file}:build", "--gpu", "T4", "--json"])
+    assert code == 0
+    assert f"Largest batch: {data['max_batch_size']} on {data['device']['name']}" in text
+    assert f"{data['total_bytes_at_max']:,} bytes needed" in text
+
+
+@pytest.mark.slow
+def test_bad_input_shows_the_cli_line(server):
+    with open_page(server) as (page, errors):
+        page.wait_for_selector("#model textarea, #model input")
+        _fill(page, {"model": "timm:resnet5", "gpu": "T4"})
+        text = _answer(page)
+    code, _, stderr = _cli(["max", "timm:resnet5", "--gpu", "T4", "--json"])
+    assert code == 2 and errors == []
+    line = " ".join(stderr.split())
+    assert "did you mean 'resnet50'" in line
+    assert "(exit 2)" in text and line in " ".join(text.split())
+
+
+def _children() -> list[int]:
+    """This process's child processes (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid():
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_cancel_ends_the_command(server):
+    with open_page(server) as (page, errors):
+        page.wait_for_selector("#model textarea, #model input")
+        before = set(_children())
+        _fill(page, {"model": "hf:meta-llama/Llama-2-7b-hf", "gpu": "A100"})
+        page.locator("#run").click()
+        deadline = time.time() + 60
+        while not set(_children()) - before and time.time() < deadline:
+            time.sleep(0.2)
+        assert set(_children()) - before, "the command did not start"
+        page.locator("#cancel").click()
+        deadline = time.time() + 30
+        while set(_children()) - before and time.time() < deadline:
+            time.sleep(0.2)
+    assert not set(_children()) - before, "the cancelled command is still running"
