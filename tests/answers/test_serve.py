@@ -143,8 +143,8 @@ def test_a_card_without_a_cuda_total_is_said_to_use_its_marketed_memory():
     l4 = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="L4", **kwargs)  # no public total
     assert l4.device.total_memory_bytes == 24 * GiB
     assert any("marketed 24.00 GiB" in n and "--total-memory" in n for n in l4.notes)
-    t4 = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="T4", **kwargs)  # 14.76 GiB reported
-    assert t4.device.total_memory_bytes == 15_114 * 2**20
+    t4 = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="T4", **kwargs)  # 15,109 MiB reported
+    assert t4.device.total_memory_bytes == 15_109 * 2**20
     assert not any("marketed" in n for n in t4.notes)
     given = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="L4", total_memory_bytes=22 * GiB,
                            **kwargs)
