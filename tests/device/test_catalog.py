@@ -659,7 +659,8 @@ def _quoted_total_mib(source: str) -> int:
 def test_every_cuda_total_matches_the_figure_its_source_quotes():
     with_total = [g for g in load_catalog() if g.cuda_total_bytes is not None]
     # the datacenter cards whose public reports were found (the rest stay empty)
-    assert {g.key for g in with_total} >= {"t4", "a100-40gb", "a100-pcie-80gb", "a10", "l40"}
+    assert {g.key for g in with_total} >= {"t4", "a100-40gb", "a100-pcie-80gb", "a10", "l40",
+                                          "h100-sxm"}
     for gpu in with_total:
         url, _, quote = gpu.cuda_total_source.partition(" | ")
         assert urlparse(url).scheme == "https" and quote, gpu.key
