@@ -11,8 +11,13 @@ vLLM (``engine="vllm"``), as its V1 worker sizes the cache (``gpu_worker.py``,
 The profile run is a forward of ``max_num_batched_tokens`` tokens (split over up to
 ``max_num_seqs`` requests) followed by a dummy sampler run over one row per request. batchfit
 traces that forward on the target GPU (flash attention where the card and dtype allow it:
-memory linear in the tokens) and adds the sampler: the logits of ``max_num_seqs`` rows in the
-model dtype, their float32 copy and float32 probabilities. vLLM's V0 engine (``vllm_engine="v0"``,
+memory linear in the tokens; before sm80, where vLLM V1 runs FlashInfer or Triton attention
+since FlashAttention needs sm80 (``_get_backend_priorities`` in vllm/platforms/cuda.py), the
+trace's fp16 memory-efficient kernel, also linear; the dtype follows the card as vLLM's does,
+:func:`_serving_dtype`, so the trace does not fall back to the math path's seq x seq scores,
+which no vLLM backend allocates, for a dtype the card lacks) and adds the sampler: the
+logits of ``max_num_seqs`` rows in the model dtype, their float32 copy and float32
+probabilities. vLLM's V0 engine (``vllm_engine="v0"``,
 vLLM <= 0.6) samples its profile requests with top-p 0.99 and top-k vocab - 1, whose sort of
 the logits sets the peak instead (:func:`sampler_bytes`). ``non_torch`` is what the
 engine measures outside torch's allocator after its startup snapshot (cuBLAS/NCCL state);

@@ -47,9 +47,8 @@ def serve_cmd(
     """Serving capacity: KV-cache bytes per token, blocks, tokens and concurrent sequences."""
     with _errors(debug):
         from batchfit.answers.serve import serve_capacity
-        from batchfit.models.resolve import parse_model_kwargs
-
         from batchfit.cli.verdict import json_verdict
+        from batchfit.models.resolve import parse_model_kwargs
 
         with (json_verdict(as_json, {"model": model, "gpu": gpu, "engine": engine}),
               _progress(not as_json, f"tracing {model}'s profile forward on {gpu}...")):
