@@ -126,6 +126,10 @@ def test_a_bf16_checkpoint_on_a_t4_is_served_in_fp16():
                           max_num_batched_tokens=2048, max_num_seqs=16,
                           model_kwargs={"num_hidden_layers": 2}, non_torch_bytes=GiB // 4)
     assert a100.dtype == "bfloat16" and a100.notes == ()
+    # engine=hf with bitsandbytes weights: the compute dtype follows the card as well
+    hf = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="T4", engine="hf", quant="nf4",
+                        max_model_len=512, new_tokens=16, model_kwargs={"num_hidden_layers": 2})
+    assert hf.dtype == "float16" and any("bfloat16" in note for note in hf.notes)
 
 
 def test_bf16_asked_of_a_card_without_it_is_refused():
@@ -135,6 +139,10 @@ def test_bf16_asked_of_a_card_without_it_is_refused():
     assert bad.exit_code == 2, bad.output
     assert "no bfloat16" in bad.output and "--dtype fp16" in bad.output
     assert len(bad.output.strip().splitlines()) == 1
+    # transformers loads a bf16 model on a T4 (torch runs it without fused attention): kept
+    hf = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="T4", engine="hf", dtype="bf16",
+                        max_model_len=512, new_tokens=16, model_kwargs={"num_hidden_layers": 2})
+    assert hf.dtype == "bfloat16" and not any("bfloat16" in n for n in hf.notes)
 
 
 def test_a_card_without_a_cuda_total_is_said_to_use_its_marketed_memory():
