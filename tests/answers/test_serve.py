@@ -99,3 +99,81 @@ def test_v0_sampler_sort_by_hand():
     assert v0.to_dict()["vllm_engine"] == "v0" and v1.to_dict()["vllm_engine"] == "v1"
     with pytest.raises(Exception, match="unknown --vllm-engine"):
         serve_capacity("hf:Qwen/Qwen2.5-0.5B", vllm_engine="v2", **kwargs)
+
+
+# Qwen2.5-0.5B cut to 2 layers (bf16 checkpoint, 14 query heads): parameters as counted in
+# test_vllm_blocks_by_hand
+_LAYER = 2 * 896 * 896 + 2 * 896 * 128 + 896 + 2 * 128 + 3 * 896 * 4864 + 2 * 896
+_PARAMS_2_LAYERS = 151_936 * 896 + 2 * _LAYER + 896
+
+
+def test_a_bf16_checkpoint_on_a_t4_is_served_in_fp16():
+    # vLLM's CudaPlatformBase.supported_dtypes has no bfloat16 below compute capability 8.0,
+    # and _resolve_auto_dtype falls back to float16 for a bfloat16 checkpoint there. In
+    # float16 a T4 runs memory-efficient attention (sm50+), so the 2,048-token profile
+    # forward keeps no 2,048 x 2,048 score matrix: in bfloat16 the math path's scores alone
+    # are 14 heads x 2,048^2 x 2 B = 112 MiB per layer.
+    r = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="T4", max_model_len=4096,
+                       max_num_batched_tokens=2048, max_num_seqs=16,
+                       model_kwargs={"num_hidden_layers": 2}, non_torch_bytes=GiB // 4)
+    assert r.dtype == "float16" and r.kv_dtype == "float16"
+    assert r.weights_bytes == _PARAMS_2_LAYERS * 2
+    assert r.activation_peak_bytes < 14 * 2048 * 2048 * 2
+    assert any("bfloat16" in note and "float16" in note for note in r.notes)
+    assert r.to_dict()["notes"] == list(r.notes)
+    # a card with bfloat16 keeps the checkpoint's dtype, with no note about it
+    a100 = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="A100 40GB SXM", max_model_len=4096,
+                          max_num_batched_tokens=2048, max_num_seqs=16,
+                          model_kwargs={"num_hidden_layers": 2}, non_torch_bytes=GiB // 4)
+    assert a100.dtype == "bfloat16" and a100.notes == ()
+    # engine=hf with bitsandbytes weights: the compute dtype follows the card as well
+    hf = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="T4", engine="hf", quant="nf4",
+                        max_model_len=512, new_tokens=16, model_kwargs={"num_hidden_layers": 2})
+    assert hf.dtype == "float16" and any("bfloat16" in note for note in hf.notes)
+
+
+def test_bf16_asked_of_a_card_without_it_is_refused():
+    runner = CliRunner()
+    bad = runner.invoke(app, ["serve", "hf:Qwen/Qwen2.5-0.5B", "--gpu", "T4", "--dtype", "bf16",
+                              "--model-kwargs", "num_hidden_layers=2"])
+    assert bad.exit_code == 2, bad.output
+    assert "no bfloat16" in bad.output and "--dtype fp16" in bad.output
+    assert len(bad.output.strip().splitlines()) == 1
+    # transformers loads a bf16 model on a T4 (torch runs it without fused attention): kept
+    hf = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="T4", engine="hf", dtype="bf16",
+                        max_model_len=512, new_tokens=16, model_kwargs={"num_hidden_layers": 2})
+    assert hf.dtype == "bfloat16" and not any("bfloat16" in n for n in hf.notes)
+
+
+def test_a_card_without_a_cuda_total_is_said_to_use_its_marketed_memory():
+    kwargs = {"max_model_len": 2048, "max_num_batched_tokens": 256, "max_num_seqs": 16,
+              "model_kwargs": {"num_hidden_layers": 2}, "non_torch_bytes": GiB // 4}
+    l4 = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="L4", **kwargs)  # no public total
+    assert l4.device.total_memory_bytes == 24 * GiB
+    assert any("marketed 24.00 GiB" in n and "--total-memory" in n for n in l4.notes)
+    t4 = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="T4", **kwargs)  # 15,109 MiB reported
+    assert t4.device.total_memory_bytes == 15_109 * 2**20
+    assert not any("marketed" in n for n in t4.notes)
+    given = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="L4", total_memory_bytes=22 * GiB,
+                           **kwargs)
+    assert given.notes == ()
+
+
+def test_exit_3_under_json_still_prints_the_verdict():
+    # 256 MiB of card: vLLM may use ceil(0.9 x 268,435,456) = 241,591,911 B, less than the
+    # bf16 weights alone (2 B per parameter), so nothing is left for the KV cache
+    runner = CliRunner()
+    args = ["serve", "hf:Qwen/Qwen2.5-0.5B", "--gpu", "A100 40GB SXM", "--total-memory",
+            "256MiB", "--max-model-len", "2048", "--max-num-batched-tokens", "256",
+            "--model-kwargs", "num_hidden_layers=2"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 3, result.output
+    data = json.loads(result.stdout)
+    assert data["fits"] is False and data["model"] == "hf:Qwen/Qwen2.5-0.5B"
+    assert data["available_bytes"] == 241_591_911
+    assert data["needed_bytes"] > _PARAMS_2_LAYERS * 2 > data["available_bytes"]
+    assert "leaves no memory for the KV cache" in data["error"]
+    plain = runner.invoke(app, args)  # without --json: the one line, no JSON
+    assert plain.exit_code == 3 and len(plain.output.strip().splitlines()) == 1
+    fits = runner.invoke(app, [*args[:5], "40GiB", *args[6:], "--json"])
+    assert fits.exit_code == 0 and json.loads(fits.stdout)["fits"] is True

@@ -11,8 +11,13 @@ vLLM (``engine="vllm"``), as its V1 worker sizes the cache (``gpu_worker.py``,
 The profile run is a forward of ``max_num_batched_tokens`` tokens (split over up to
 ``max_num_seqs`` requests) followed by a dummy sampler run over one row per request. batchfit
 traces that forward on the target GPU (flash attention where the card and dtype allow it:
-memory linear in the tokens) and adds the sampler: the logits of ``max_num_seqs`` rows in the
-model dtype, their float32 copy and float32 probabilities. vLLM's V0 engine (``vllm_engine="v0"``,
+memory linear in the tokens; before sm80, where vLLM V1 runs FlashInfer or Triton attention
+since FlashAttention needs sm80 (``_get_backend_priorities`` in vllm/platforms/cuda.py), the
+trace's fp16 memory-efficient kernel, also linear; the dtype follows the card as vLLM's does,
+:func:`_serving_dtype`, so the trace does not fall back to the math path's seq x seq scores,
+which no vLLM backend allocates, for a dtype the card lacks) and adds the sampler: the
+logits of ``max_num_seqs`` rows in the model dtype, their float32 copy and float32
+probabilities. vLLM's V0 engine (``vllm_engine="v0"``,
 vLLM <= 0.6) samples its profile requests with top-p 0.99 and top-k vocab - 1, whose sort of
 the logits sets the peak instead (:func:`sampler_bytes`). ``non_torch`` is what the
 engine measures outside torch's allocator after its startup snapshot (cuBLAS/NCCL state);
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -92,6 +97,8 @@ class ServeResult:
         layer_kinds: count of layers per cache kind.
         hf: for ``engine=hf``: batch size, prompt and new tokens, peaks and the largest batch.
         vllm_engine: ``v1`` or ``v0``: whose profile run (sampler) was modelled.
+        notes: what the answer assumed that the user did not ask for (a dtype the card
+            forced, a card total the catalog lacks).
     """
 
     engine: Engine
@@ -112,6 +119,7 @@ class ServeResult:
     layer_kinds: dict[str, int]
     hf: dict[str, Any] = field(default_factory=dict)
     vllm_engine: str = "v1"
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -124,7 +132,7 @@ class ServeResult:
             "state_bytes_per_sequence": self.state_bytes_per_sequence,
             "max_model_len": self.max_model_len,
             "max_concurrency": round(self.max_concurrency, 4),
-            "layer_kinds": self.layer_kinds,
+            "layer_kinds": self.layer_kinds, "notes": list(self.notes),
         }
         if self.plan is not None:
             data.update(vllm_engine=self.vllm_engine,
@@ -143,17 +151,55 @@ _KV_DTYPES = {"auto": None, "fp16": "float16", "float16": "float16", "bf16": "bf
               "bfloat16": "bfloat16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
 
 
-def _serving_dtype(model: str, dtype: str) -> str:
-    """vLLM's ``--dtype auto``: the checkpoint's dtype, but float16 for float32 checkpoints."""
+#: vLLM's ``CudaPlatformBase.supported_dtypes`` (vllm/platforms/cuda.py): bfloat16 from
+#: compute capability 8.0 (Ampere) on; Pascal, Volta and Turing serve float16 or float32.
+_BF16_FROM_CC = (8, 0)
+
+
+def _serving_dtype(model: str, dtype: str, profile: DeviceProfile,
+                   engine: Engine) -> tuple[str, str | None]:
+    """``--dtype``: the dtype served and a note where ``auto`` left the checkpoint's.
+
+    ``auto`` is the checkpoint's dtype, float16 for float32 checkpoints; a bfloat16
+    checkpoint on a card without bfloat16 is served in float16, as vLLM's
+    ``_resolve_auto_dtype`` (vllm/config/model.py) falls back to the first of the platform's
+    ``supported_dtypes`` with a warning (``engine=hf`` follows the card too). An explicit
+    bfloat16 there is refused for vLLM, as its worker refuses it ("Bfloat16 is only
+    supported on GPUs with compute capability of at least 8.0"); transformers loads it,
+    and torch runs it without fused attention, so ``engine=hf`` keeps it.
+    """
     from batchfit.models.resolve import checkpoint_dtype
 
     chosen = _DTYPES.get(str(dtype).lower(), "invalid")
     if chosen == "invalid":
         raise InvalidInputError(f"unknown --dtype {dtype!r}: use auto, bf16, fp16 or fp32")
+    cc = profile.compute_capability
+    has_bf16 = cc is None or tuple(cc) >= _BF16_FROM_CC
+    if chosen == "bfloat16" and not has_bf16 and engine is Engine.VLLM:
+        raise InvalidInputError(
+            f"{profile.name} has no bfloat16 (compute capability {cc[0]}.{cc[1]}, bf16 needs "
+            f"8.0 or later): use --dtype fp16")
     if chosen is not None:
-        return chosen
+        return chosen, None
     stored = checkpoint_dtype(model) if str(model).startswith("hf:") else None
-    return "float16" if stored in (None, "float32") else stored
+    if stored in (None, "float32"):
+        return "float16", None
+    if stored == "bfloat16" and not has_bf16:
+        return "float16", (f"{model} is stored in bfloat16, which {profile.name} lacks "
+                           f"(compute capability {cc[0]}.{cc[1]}): served in float16, as vLLM "
+                           "serves it")
+    return stored, None
+
+
+def _total_memory_note(profile: DeviceProfile) -> str | None:
+    """Say so where a catalog card's CUDA total is unknown and its marketed memory stands in."""
+    gpu = profile.extra.get("gpu") if profile.extra else None
+    if gpu is None or getattr(gpu, "cuda_total_bytes", 0) is not None:
+        return None
+    return (f"{profile.name}: the catalog has no public report of what CUDA reports as its "
+            f"total, so its marketed {profile.total_memory_bytes / GiB:.2f} GiB stands in (CUDA "
+            "reports a little less): pass --total-memory with torch.cuda.mem_get_info()[1] "
+            "for the exact figure")
 
 
 def _meta_model(config: Any, dtype: str) -> Any:
@@ -224,8 +270,6 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
     if not profile.is_cuda:
         raise InvalidInputError("serving capacity is for a GPU: give --gpu NAME")
     if total_memory_bytes is not None:
-        from dataclasses import replace
-
         profile = replace(profile, total_memory_bytes=int(total_memory_bytes))
     if not 0 < gpu_memory_utilization <= 1:
         raise InvalidInputError(
@@ -247,15 +291,18 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
         raise InvalidInputError(
             f"--max-model-len {max_model_len} is above {model}'s context of {context} tokens "
             f"(max_position_embeddings): use --max-model-len {context} or less")
-    chosen = _serving_dtype(model, dtype)
+    chosen, dtype_note = _serving_dtype(model, dtype, profile, engine)
+    notes = tuple(n for n in (dtype_note, None if total_memory_bytes is not None
+                              else _total_memory_note(profile)) if n)
     kv_name = _KV_DTYPES.get(str(kv_dtype).lower(), "invalid")
     if kv_name == "invalid":
         raise InvalidInputError(f"unknown --kv-dtype {kv_dtype!r}: use auto, fp16, bf16 or fp8")
     kv_name = kv_name or chosen
     caches = layer_caches(config, dtype_bytes(kv_name), state_bytes=dtype_bytes(chosen))
     if engine is Engine.HF:
-        return _serve_hf(model, config, profile, chosen, kv_name, caches, max_model_len,
-                         batch_size, prompt_len, new_tokens, quant, all_logits)
+        return replace(_serve_hf(model, config, profile, chosen, kv_name, caches,
+                                 max_model_len, batch_size, prompt_len, new_tokens, quant,
+                                 all_logits), notes=notes)
     if quant is not None:
         raise InvalidInputError("--quant applies to --engine hf (bitsandbytes in transformers)")
     key = (model, repr(sorted((model_kwargs or {}).items())), chosen)
@@ -290,7 +337,7 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
         kv_bytes_per_token=kv_bytes_per_token(caches),
         state_bytes_per_sequence=sum(c.state_bytes for c in caches), plan=plan,
         max_model_len=max_model_len, max_concurrency=plan.max_concurrency,
-        layer_kinds=_kinds(caches), vllm_engine=vllm_engine.value)
+        layer_kinds=_kinds(caches), vllm_engine=vllm_engine.value, notes=notes)
 
 
 def _kinds(caches: list[LayerCache]) -> dict[str, int]:

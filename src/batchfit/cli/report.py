@@ -373,4 +373,5 @@ def render_serve(result: Any) -> Group:
             f"{plan.num_blocks:,} blocks of {plan.block_size} tokens = {plan.tokens:,} tokens of KV "
             f"cache; {plan.blocks_per_request:,} blocks per request of {result.max_model_len:,} "
             f"tokens -> maximum concurrency {result.max_concurrency:.2f}x"))
+    lines.extend(Text(f"note: {note}", style="dim") for note in result.notes)
     return Group(*lines)

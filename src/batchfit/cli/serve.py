@@ -47,9 +47,11 @@ def serve_cmd(
     """Serving capacity: KV-cache bytes per token, blocks, tokens and concurrent sequences."""
     with _errors(debug):
         from batchfit.answers.serve import serve_capacity
+        from batchfit.cli.verdict import json_verdict
         from batchfit.models.resolve import parse_model_kwargs
 
-        with _progress(not as_json, f"tracing {model}'s profile forward on {gpu}..."):
+        with (json_verdict(as_json, {"model": model, "gpu": gpu, "engine": engine}),
+              _progress(not as_json, f"tracing {model}'s profile forward on {gpu}...")):
             result = serve_capacity(
                 model, device=_serve_gpu(gpu), engine=engine, max_model_len=max_model_len,
                 gpu_memory_utilization=utilization, dtype=dtype, kv_dtype=kv_dtype,
@@ -61,7 +63,7 @@ def serve_cmd(
                 model_kwargs=parse_model_kwargs(model_kwargs or []), quant=quant,
                 all_logits=all_logits, vllm_engine=vllm_engine)
         if as_json:
-            _emit_json(result.to_dict())
+            _emit_json({**result.to_dict(), "fits": True})
             return
         from batchfit.cli.report import render_serve
 

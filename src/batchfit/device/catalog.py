@@ -28,15 +28,19 @@ Conventions of the table:
 - Where CUDA reports much less than the marketed figure (B300: 288 GB marketed,
   268.6 GiB reported), the row holds what CUDA reports, rounded down to whole GiB.
 - ``cuda_total_mib`` is what CUDA reports as the card's total where a public report gives
-  it (``cuda_total_source``, the URL): torch's "total capacity" in its out-of-memory
+  it (``cuda_total_source``: the URL, then `` | `` and the figure as the report prints it):
+  torch's "total capacity" in its out-of-memory
   message, which is ``cudaMemGetInfo``'s total (``torch.cuda.mem_get_info()[1]``, and
   ``get_device_properties().total_memory``). The driver keeps the rest of the marketed
   memory for itself (``nvidia-smi -q`` shows it as "Reserved" on recent drivers, and
   counts it in its "Total"): an RTX 3090 reports 23.70 GiB of 24. The figure is torch's
   two-decimal GiB times 1024, rounded down to whole MiB. It moves a little with the driver
   (newer drivers keep more: 3090 reports range from 23.70 down to 23.57 GiB); a row holds
-  the largest figure its reports show, so no driver keeps less than the row assumes. A row
-  without one (no public report found) uses ``memory_bytes``, as before.
+  the largest figure its reports show, so no driver keeps less than the row assumes. A
+  deviceQuery report (``totalGlobalMem`` in bytes) is exact; a two-decimal GiB is +-5 MiB.
+  GDDR6 datacenter cards (T4, A10) hold their ECC-on figure, as they ship: ECC keeps 1/16 of
+  the memory for check bits. A row without one (no public report found) uses
+  ``memory_bytes``, as before; ``serve`` says so in its notes.
 - Boards with two dies that PyTorch shows as two devices (Tesla K80, AMD
   MI250/MI250X) have one row per device, with that device's share.
 - AMD rows give compute units in ``sm_count``, the gfx architecture in
@@ -114,7 +118,8 @@ class GPU:
         cuda_total_bytes: what CUDA reports as the card's total (``cudaMemGetInfo``,
             torch's "total capacity"), from ``cuda_total_source``; None where no public
             report gives it (then ``memory_bytes`` stands for it).
-        cuda_total_source: the URL of the report ``cuda_total_bytes`` comes from.
+        cuda_total_source: the URL of the report ``cuda_total_bytes`` comes from, then
+            `` | `` and the figure as it prints it.
     """
 
     name: str
