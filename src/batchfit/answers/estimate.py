@@ -45,6 +45,12 @@ class MemoryEstimate:
         timeline: the per-event timeline of the step (on CUDA, the last of the
             ``timeline.loop_steps`` steps replayed until the allocator repeats a state).
         warnings: things the trace could not see.
+        memory_bytes: the memory the step must fit, context included: the card's
+            (``--gpu NAME``, ``--gpu NAME --memory SIZE``, a live ``cuda:N``); None on the
+            CPU, which has no budget here.
+        fits: ``total_bytes <= memory_bytes``; None without a budget.
+        margin_bytes: ``memory_bytes - total_bytes``: what the step has to spare
+            (negative: what it lacks); None without a budget.
     """
 
     batch_size: int
@@ -70,6 +76,20 @@ class MemoryEstimate:
     #: the step set against a real CUDA memory snapshot of it (``estimate(snapshot=...)``)
     snapshot_comparison: SnapshotComparison | None = None
 
+    @property
+    def memory_bytes(self) -> int | None:
+        return self.device.total_memory_bytes if self.device.is_cuda else None
+
+    @property
+    def margin_bytes(self) -> int | None:
+        memory = self.memory_bytes
+        return None if memory is None else memory - self.total_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        margin = self.margin_bytes
+        return None if margin is None else margin >= 0
+
     def explain(self) -> str:
         """One sentence saying what dominates the peak."""
         category, size = max(self.by_category.items(), key=lambda kv: kv[1])
@@ -89,6 +109,9 @@ class MemoryEstimate:
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "total_bytes": self.total_bytes,
+            "memory_bytes": self.memory_bytes,
+            "fits": self.fits,
+            "margin_bytes": self.margin_bytes,
             "first_step_peak_bytes": self.first_step_peak_bytes,
             "loop_steps": self.timeline.loop_steps,
             "by_category": {c.value: b for c, b in self.by_category.items()},
