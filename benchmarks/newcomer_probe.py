@@ -35,8 +35,9 @@ KERAS = textwrap.dedent("""
         model.compile(optimizer="adam", loss="mse")
         return model
 """)
-JSON_KEYS = ("fits", "verdict", "margin_bytes", "budget_bytes", "total_bytes_at_max",
-             "step_bytes_at_max", "next_batch_size", "max_batch_size", "gpu_choice", "task")
+JSON_KEYS = ("fits", "verdict", "memory_bytes", "margin_bytes", "budget_bytes",
+             "total_budget_bytes", "total_bytes_at_max", "step_bytes_at_max", "next_batch_size",
+             "step_bytes_at_next", "max_batch_size", "gpu_choice", "hf_task")
 
 
 def cases(tmp: Path) -> list[tuple[str, list[str], float | None]]:
@@ -114,7 +115,10 @@ def run(args: list[str], delay: float | None) -> tuple[int, str, str]:
         done = subprocess.run(CLI + args, capture_output=True, text=True, env=env, timeout=900)
         return done.returncode, done.stdout, done.stderr
     proc = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+                            text=True, env=env, start_new_session=True,
+                            # a background shell starts jobs with SIGINT ignored, and Python
+                            # keeps an ignored SIGINT ignored: restore the default
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(delay)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
     out, err = proc.communicate(timeout=120)

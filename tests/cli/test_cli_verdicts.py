@@ -72,3 +72,80 @@ def test_estimate_without_budget_says_nothing_of_fitting(heavy_file):
     assert data["fits"] is None and data["margin_bytes"] is None and data["memory_bytes"] is None
     text = invoke("estimate", f"{heavy_file}:mlp", "-b", "4", "--input", "32")
     assert "fit" not in text.stdout.lower()
+
+
+def test_max_json_pairs_budgets_with_like_totals(heavy_file):
+    # the fixture's heavy step on a 4 GiB T4-class card, no margin: the card's 4 GiB is the
+    # budget of the totals (context included); the step's own budget leaves the context out
+    result = invoke("max", f"{heavy_file}:heavy", "--gpu", "T4", "--memory", "4GiB", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["total_budget_bytes"] == 4 * GIB
+    assert data["budget_bytes"] < data["total_budget_bytes"]
+    assert data["next_batch_size"] == data["max_batch_size"] + 1
+    assert data["step_bytes_at_max"] <= data["budget_bytes"] < data["step_bytes_at_next"]
+    assert (data["total_bytes_at_max"] <= data["total_budget_bytes"]
+            < data["total_bytes_at_next"])
+
+
+def test_max_json_nothing_fits_still_prints_the_verdict(heavy_file):
+    # the MLP's parameters alone are (32*64 + 64 + 64*4 + 4) * 4 = 9,488 bytes > 1 KiB
+    result = invoke("max", f"{heavy_file}:mlp", "--input", "32", "--device", "cpu",
+                    "--memory", "1KiB", "--overhead", "0", "--json")
+    assert result.exit_code == 3
+    data = json.loads(result.stdout)
+    assert data["fits"] is False and data["max_batch_size"] == 0
+    assert data["budget_bytes"] == 1024 and data["needed_bytes"] >= 9488
+    assert "over the budget" in data["verdict"]
+    assert result.stderr.startswith("error:") and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_short_gpu_name_says_which_card(heavy_file):
+    result = invoke("estimate", f"{heavy_file}:mlp", "-b", "2", "--input", "32", "--gpu", "V100",
+                    "--json")
+    assert result.exit_code == 0, result.output
+    choice = json.loads(result.stdout)["gpu_choice"]
+    assert choice["name"] == "NVIDIA Tesla V100 SXM2 16GB"
+    assert "NVIDIA Tesla V100 SXM2 32GB" in choice["alternatives"]
+    assert "note: --gpu 'V100' is the NVIDIA Tesla V100 SXM2 16GB" in result.stderr
+    full = invoke("estimate", f"{heavy_file}:mlp", "-b", "2", "--input", "32", "--gpu",
+                  "A100 80GB SXM", "--json")
+    assert json.loads(full.stdout)["gpu_choice"]["alternatives"] == []
+    assert "note:" not in full.stderr
+
+
+@pytest.mark.parametrize("command", [("estimate", "-b", "2"), ("max",)])
+def test_an_empty_gpu_name_is_an_error(heavy_file, command):
+    result = invoke(*command, f"{heavy_file}:mlp", "--input", "32", "--gpu", "")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: empty GPU name")
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(("gpu", "precision", "fix"), [
+    ("V100", "amp-bf16", "amp-fp16"), ("T4", "bf16", "fp16")])
+def test_bf16_on_a_card_without_it_is_refused(heavy_file, gpu, precision, fix):
+    for command in (("estimate", "-b", "2"), ("max",)):
+        result = invoke(*command, f"{heavy_file}:mlp", "--input", "32", "--gpu", gpu,
+                        "--precision", precision)
+        assert result.exit_code == 2, result.output
+        line = result.stderr.strip().splitlines()[-1]
+        assert "compute capability 7." in line and f"--precision {fix}" in line
+
+
+def test_bf16_on_an_ampere_card_runs(heavy_file):
+    result = invoke("estimate", f"{heavy_file}:mlp", "-b", "2", "--input", "32", "--gpu",
+                    "A100 80GB SXM", "--precision", "amp-bf16")
+    assert result.exit_code == 0, result.output
+
+
+def test_a_bare_hf_name_says_which_head(heavy_file):
+    result = invoke("estimate", "hf:bert-base-uncased", "-b", "1", "--seq-len", "16", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["hf_task"] == "masked-lm"
+    assert "is built with its masked-lm head" in result.stderr
+    chosen = invoke("estimate", "hf:bert-base-uncased", "-b", "1", "--seq-len", "16",
+                    "--model-kwargs", "task=sequence-classification", "--json")
+    assert chosen.exit_code == 0, chosen.output
+    assert json.loads(chosen.stdout)["hf_task"] == "sequence-classification"
+    assert "note:" not in chosen.stderr

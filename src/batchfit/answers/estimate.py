@@ -20,7 +20,7 @@ from batchfit.device.profile import DeviceProfile, resolve_device
 from batchfit.device.snapshot import SnapshotComparison, allocator_config_of, compare_step
 from batchfit.device.timeline import ModuleMemory, Timeline, needed_bytes, replay_events
 from batchfit.engine.limits import KernelLimit
-from batchfit.engine.spec import TrainConfig, make_config
+from batchfit.engine.spec import Precision, TrainConfig, make_config
 from batchfit.engine.trace import StepTrace, TraceReuse, trace_step
 from batchfit.engine.tracer import Category, Phase
 from batchfit.errors import InvalidInputError
@@ -187,9 +187,31 @@ def step_profile(device: DeviceProfile | str | None, config: TrainConfig,
                  alloc_conf: Any = None) -> DeviceProfile:
     """The target a step of ``config`` is predicted on: ``device`` with the CUDA context
     of the config's stack and its caching-allocator options (``alloc_conf`` instead of
-    the config's, when given: a snapshot's)."""
-    return resolve_device(device).for_stack(config.resolved_stack).with_allocator(
+    the config's, when given: a snapshot's).
+
+    Raises:
+        InvalidInputError: the config computes in bfloat16 on an NVIDIA card without it.
+    """
+    profile = resolve_device(device)
+    check_precision(profile, config.precision)
+    return profile.for_stack(config.resolved_stack).with_allocator(
         AllocatorConfig.resolve(config.alloc_conf if alloc_conf is None else alloc_conf))
+
+
+_BF16 = (Precision.AMP_BF16, Precision.BF16)
+
+
+def check_precision(profile: DeviceProfile, precision: Precision) -> None:
+    """bfloat16 needs an NVIDIA card of compute capability 8.0 or newer (Ampere): earlier
+    ones (V100, T4) have no bf16 tensor cores and no bf16 arithmetic, so a bf16 step there
+    is not what anyone trains with; fp16 autocast is their mixed precision."""
+    cc = profile.compute_capability
+    if profile.is_cuda and precision in _BF16 and cc is not None and cc < (8, 0):
+        raise InvalidInputError(
+            f"--precision {precision.value} needs bfloat16, which {profile.name} (compute "
+            f"capability {cc[0]}.{cc[1]}) lacks (it needs 8.0+, Ampere or newer): use "
+            f"--precision {'amp-fp16' if precision is Precision.AMP_BF16 else 'fp16'}, or a "
+            "newer card")
 
 
 def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True,
