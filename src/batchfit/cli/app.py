@@ -273,10 +273,15 @@ def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str,
 
 
 def _check_plot(path: str | None) -> None:
+    """The --plot file is checked before any work: a result is never lost to a bad path."""
     if path is not None:
         from batchfit.cli.plot import check_plot_path
 
         check_plot_path(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise InvalidInputError(f"cannot write --plot {path}: {folder} is not a folder "
+                                    "this user can write to; create it or give another path")
 
 
 def _emit_json(data: dict[str, Any]) -> None:
