@@ -123,10 +123,13 @@ def run(args: list[str], delay: float | None) -> tuple[int, str, str]:
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
     out, err = proc.communicate(timeout=120)
     time.sleep(1)
-    left = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
+    # helpers still alive (not zombies waiting for init) in the command's process group
+    listing = subprocess.run(["ps", "-o", "pid=,stat=", "-g", str(proc.pid)],
+                             capture_output=True, text=True).stdout.splitlines()
+    left = [row.split()[0] for row in listing if row.strip() and row.split()[1][0] != "Z"]
     lines = [line for line in err.splitlines() if line.strip()]
     tail = f"{len(lines)} stderr lines, last: {lines[-1] if lines else ''}"
-    return proc.returncode, out, tail + (f"; LEFT: {left.stdout.split()}" if left.stdout else "")
+    return proc.returncode, out, tail + (f"; LEFT: {left}" if left else "")
 
 
 def main() -> None:

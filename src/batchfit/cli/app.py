@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import warnings
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import typer
 from rich.console import Console
 
 from batchfit._gc import freeze_after_imports
+from batchfit.cli.interrupt import exit_on_interrupt
 from batchfit.cli.target import ATTN as _ATTN
 from batchfit.cli.target import check_attn, chosen, resolve_device
 from batchfit.engine.spec import (
@@ -128,7 +130,8 @@ def _errors(debug: bool, json_head: dict[str, Any] | None = None) -> Iterator[No
             raise
         err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the library called from a test or a script: same line
+        err.print("interrupted", highlight=False)
         raise typer.Exit(130) from None
     except Exception as exc:  # noqa: BLE001 - last resort: still one line
         if debug:
@@ -794,9 +797,13 @@ def main() -> None:
     # while they import, again and again (0.64 s in 6 walks of a 12 s `max`); _setup()
     # freezes them once they exist and turns it back on (batchfit/_gc.py).
     gc.disable()
+    exit_on_interrupt()
     try:
         app()
     finally:
+        # the command is over (its answer printed): a Ctrl-C now, while the interpreter
+        # tears down, would only kill it by the signal, in the middle of that
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         gc.enable()
 
 
