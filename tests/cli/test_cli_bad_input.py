@@ -63,3 +63,23 @@ def test_a_plot_path_in_a_missing_folder_is_refused_before_the_work(model_file, 
                                  "--plot", "/nonexistent/dir/x.png"])
     one_line_error(result, "/nonexistent/dir", "create it")
     assert not marker.exists()
+
+
+def test_a_wrong_input_is_one_line_without_torch_logs(model_file):
+    # fake_tensor logs a failing meta kernel with its traceback through torch's own
+    # handler (stderr as torch found it at import: a subprocess sees it, CliRunner not)
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path, _ = model_file
+    src = Path(__file__).resolve().parents[2] / "src"
+    done = subprocess.run(
+        [sys.executable, "-c", "from batchfit.cli import main; main()", "estimate",
+         f"{path}:mlp", "--input", "5", "-b", "2"],
+        env={**os.environ, "PYTHONPATH": str(src)}, capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: the model's forward raised"), lines
