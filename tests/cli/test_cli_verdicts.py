@@ -149,3 +149,13 @@ def test_a_bare_hf_name_says_which_head(heavy_file):
     assert chosen.exit_code == 0, chosen.output
     assert json.loads(chosen.stdout)["hf_task"] == "sequence-classification"
     assert "note:" not in chosen.stderr
+
+
+def test_bench_predict_says_which_card_too(heavy_file):
+    result = invoke("bench", f"{heavy_file}:mlp", "--input", "32", "--gpu", "H100", "--predict",
+                    "--batches", "8,16", "--json")
+    assert result.exit_code == 0, result.output
+    choice = json.loads(result.stdout)["gpu_choice"]
+    assert choice["name"] == "NVIDIA H100 SXM5 80GB"
+    assert set(choice["alternatives"]) == {"NVIDIA H100 PCIe", "NVIDIA H100 NVL"}
+    assert "note: --gpu 'H100' is the NVIDIA H100 SXM5 80GB" in result.stderr

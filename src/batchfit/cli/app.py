@@ -656,6 +656,7 @@ def bench_cmd(
         card = _predicted_card(gpu, memory_bytes, settings.get("stack")) if predict else None
         spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                       checkpointing, channels_last, model_kwargs, **settings)
+        notes = chosen(gpu, spec, err)
         if predict:
             from batchfit.speed.roofline import predict_throughput
 
@@ -681,7 +682,7 @@ def bench_cmd(
 
             plot_throughput(result, plot)
         if as_json:
-            _emit_json({"model": model, **result.to_dict()})
+            _emit_json({"model": model, **notes, **result.to_dict()})
             return
         from batchfit.cli.report import render_bench
 
