@@ -105,7 +105,7 @@ def summary(args: list[str], proc_out: str, proc_err: str) -> str:
         return f"stderr CUDA lines: {chatter[:1] or 'none'}"
     lines = [line.strip() for line in (proc_out + "\n" + proc_err).splitlines() if line.strip()]
     notes = [line for line in lines if line.startswith(("note:", "error:", "warning: --gpu"))
-             or "fits" in line.lower() or "built" in line.lower()]
+             or " fit" in line.lower() or "built" in line.lower()]
     return " / ".join(dict.fromkeys([first_line(proc_out + proc_err), *notes[:3]]))
 
 
