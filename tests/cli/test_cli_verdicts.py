@@ -129,7 +129,9 @@ def test_bf16_on_a_card_without_it_is_refused(heavy_file, gpu, precision, fix):
         result = invoke(*command, f"{heavy_file}:mlp", "--input", "32", "--gpu", gpu,
                         "--precision", precision)
         assert result.exit_code == 2, result.output
-        line = result.stderr.strip().splitlines()[-1]
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr  # no --gpu note before the refusal
+        line = lines[0]
         assert "compute capability 7." in line and f"--precision {fix}" in line
 
 

@@ -24,7 +24,7 @@ from rich.console import Console
 from batchfit._gc import freeze_after_imports
 from batchfit.cli.interrupt import exit_on_interrupt
 from batchfit.cli.target import ATTN as _ATTN
-from batchfit.cli.target import check_attn, chosen, resolve_device
+from batchfit.cli.target import check_attn, chosen, print_notes, resolve_target
 from batchfit.engine.spec import (
     Mode,
     Precision,
@@ -341,7 +341,7 @@ def estimate_cmd(
                 "on --device uses the device as it is (max --memory sets a budget)")
         parallel, nccl = _parallel(world_size, strategy, offload, tp, nodes, rank, wrap,
                                    nccl_memory)
-        profile, _ = resolve_device(gpu, device, memory, overhead, need_budget=False)
+        profile, _ = resolve_target(gpu, device, memory, overhead, need_budget=False)
         if "stack" in settings:
             profile.for_stack(settings["stack"])
         with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
@@ -351,7 +351,7 @@ def estimate_cmd(
                                           checkpointing, channels_last, model_kwargs, llm,
                                           **settings)
             check_attn(llm.attn, config, profile)
-            notes = chosen(gpu, spec, err)
+            notes, said = chosen(gpu, spec)
             if parallel is None:
                 from batchfit.answers.estimate import estimate
 
@@ -362,6 +362,7 @@ def estimate_cmd(
 
                 est = estimate_ranks(spec.factory, inputs, batch_size, config, device=profile,
                                      parallel=parallel, nccl=nccl)
+        print_notes(said, err)
         if plot:
             from batchfit.cli.plot import plot_estimate
 
@@ -422,7 +423,7 @@ def max_cmd(
         _check_plot(plot)
         settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
                                    inference_mode, alloc_conf)
-        profile, memory_bytes = resolve_device(gpu, device, memory, overhead, need_budget=True)
+        profile, memory_bytes = resolve_target(gpu, device, memory, overhead, need_budget=True)
         if "stack" in settings:  # the stack's context must leave room (checked before tracing)
             profile.for_stack(settings["stack"])
         if not profile.is_cuda and memory_bytes is None:
@@ -434,7 +435,7 @@ def max_cmd(
                                           checkpointing, channels_last, model_kwargs, llm,
                                           **settings)
             check_attn(llm.attn, config, profile)
-            notes = chosen(gpu, spec, err)
+            notes, said = chosen(gpu, spec)
             if not profile.is_cuda and overhead is None:
                 if status is not None:
                     status.update(f"measuring the CPU runtime's overhead: one real step of {model}...")
@@ -443,6 +444,7 @@ def max_cmd(
             if batch_size is not None:
                 _max_seq_len({"model": model, **notes}, spec, inputs, config, profile,
                              memory_bytes, margin, batch_size, as_json, status)
+                print_notes(said, err)
                 return
             from batchfit.answers.maxbatch import max_batch_size
 
@@ -459,6 +461,7 @@ def max_cmd(
                                     max_batch_limit=max_limit, on_trace=on_trace,
                                     fit_batches=(1, 2) if small else None,
                                     parallel=parallel, nccl=nccl)
+        print_notes(said, err)
         if plot:
             from batchfit.cli.plot import plot_max_batch
 
@@ -656,7 +659,7 @@ def bench_cmd(
         card = _predicted_card(gpu, memory_bytes, settings.get("stack")) if predict else None
         spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                       checkpointing, channels_last, model_kwargs, **settings)
-        notes = chosen(gpu, spec, err)
+        notes, said = chosen(gpu, spec)
         if predict:
             from batchfit.speed.roofline import predict_throughput
 
@@ -677,6 +680,7 @@ def bench_cmd(
 
                 err.print(f"bench: no --memory: using the {format_bytes(result.memory_bytes)} "
                           "this machine has available now", highlight=False)
+        print_notes(said, err)
         if plot:
             from batchfit.cli.plot import plot_throughput
 

@@ -22,7 +22,7 @@ ATTN = {"sdpa": "sdpa", "eager": "eager", "flash": "flash", "flash-attention-2":
         "flash_attention_2": "flash"}
 
 
-def resolve_device(gpu: str | None, device: str | None, memory: str | None,
+def resolve_target(gpu: str | None, device: str | None, memory: str | None,
                    overhead: str | None, need_budget: bool) -> tuple[Any, int | None]:
     """The target profile, and the memory budget when it is not the profile's own memory.
 
@@ -79,10 +79,12 @@ def check_attn(attn: str | None, config: Any, profile: Any) -> None:
             f"{config.precision.value}: use --attn sdpa")
 
 
-def chosen(gpu: str | None, spec: Any, err: Console) -> dict[str, Any]:
-    """Say what was chosen for the user (a catalog variant, a Hugging Face head): a note
-    on ``err`` each, and the JSON fields to add."""
+def chosen(gpu: str | None, spec: Any) -> tuple[dict[str, Any], list[str]]:
+    """What was chosen for the user (a catalog variant, a Hugging Face head): the JSON
+    fields to add, and the ``note:`` lines to print with the answer (not before an error:
+    a refused input stays one line)."""
     fields: dict[str, Any] = {}
+    notes: list[str] = []
     if gpu and gpu.strip().lower() != "auto":
         from batchfit.device.catalog import choose_gpu
 
@@ -90,8 +92,8 @@ def chosen(gpu: str | None, spec: Any, err: Console) -> dict[str, Any]:
         fields["gpu_choice"] = choice.to_dict()
         if choice.ambiguous:
             others = ", ".join(g.name for g in choice.alternatives)
-            err.print(f"note: --gpu {gpu!r} is the {choice.card.name}; it could also mean "
-                      f"{others}: give the full name to choose", highlight=False, soft_wrap=True)
+            notes.append(f"note: --gpu {gpu!r} is the {choice.card.name}; it could also mean "
+                         f"{others}: give the full name to choose")
     task = getattr(spec, "hf_task", None)
     if task is not None:
         fields["hf_task"] = task.value
@@ -99,7 +101,11 @@ def chosen(gpu: str | None, spec: Any, err: Console) -> dict[str, Any]:
             from batchfit.models.resolve import HFTask
 
             others = "|".join(t.value for t in HFTask if t is not task)
-            err.print(f"note: {spec.name} is built with its {task.value} head (from its "
-                      f"config); another: --model-kwargs task={others}",
-                      highlight=False, soft_wrap=True)
-    return fields
+            notes.append(f"note: {spec.name} is built with its {task.value} head (from its "
+                         f"config); another: --model-kwargs task={others}")
+    return fields, notes
+
+
+def print_notes(notes: list[str], err: Console) -> None:
+    for note in notes:
+        err.print(note, highlight=False, soft_wrap=True)
