@@ -20,6 +20,7 @@ LAYERS = {
     "batchfit.errors": 0,
     "batchfit._fork": 0,
     "batchfit._gc": 0,
+    "batchfit._logs": 0,
     "batchfit.engine": 10,
     "batchfit.device": 20,
     "batchfit.models": 20,

@@ -80,6 +80,11 @@ class DoesNotFitError(BatchfitError):
         self.needed_bytes = needed_bytes
         self.available_bytes = available_bytes
 
+    def to_dict(self) -> dict[str, object]:
+        """The verdict as JSON-ready data (``--json`` prints it on exit 3)."""
+        return {"fits": False, "verdict": str(self), "needed_bytes": self.needed_bytes,
+                "available_bytes": self.available_bytes}
+
 
 class TrialError(BatchfitError, RuntimeError):
     """A real trial could not run for a reason other than memory: its process died before

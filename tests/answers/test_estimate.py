@@ -457,3 +457,12 @@ def test_the_allocator_options_reach_the_cuda_replay(monkeypatch):
     assert str(from_env.device.allocator) == "roundup_power2_divisions:4"
     on_cpu = batchfit.estimate(model, (1024,), 1024, mode="infer")  # no caching allocator
     assert activations(on_cpu) == 1200 * MIB and str(on_cpu.device.allocator) == "default"
+
+
+@pytest.mark.parametrize(("gpu", "precision"), [("T4", "bf16"), ("V100", "amp-bf16")])
+def test_bf16_is_refused_on_a_card_without_it(gpu, precision):
+    # compute capability 7.5 and 7.0: no bfloat16 before 8.0 (Ampere)
+    from batchfit.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=r"compute capability 7\.\d"):
+        batchfit.estimate(torch.nn.Linear(8, 8), (8,), 2, device=gpu, precision=precision)

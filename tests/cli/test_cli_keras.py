@@ -102,3 +102,13 @@ def test_keras_bench_predict_on_a_named_gpu(keras_file):
     assert result.exit_code == 0, result.output
     points = {p["batch_size"]: p for p in json.loads(result.stdout)["points"]}
     assert points[64]["samples_per_s"] > points[8]["samples_per_s"] > 0
+
+
+def test_keras_wrong_input_is_bad_input_like_torch(keras_file):
+    # the cnn declares 16x16x3 per sample; a torch model given a wrong --input exits 2 too
+    result = invoke("estimate", f"{keras_file}:cnn", "--input", "5", "-b", "2")
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert line.startswith("error: input does not fit the Keras model")
+    assert "the model declares per-sample input 16x16x3 (--input)" in line
+    assert len(line.splitlines()) == 1

@@ -736,3 +736,14 @@ def test_a_malformed_cuda_total_is_refused(mib, source, message):
     with pytest.raises(ValueError, match=message):
         _parse_cuda_total({"cuda_total_mib": mib, "cuda_total_source": source,
                            "memory_bytes": str(24 * GIB)})
+
+
+def test_choose_gpu_names_the_variants_a_short_name_leaves_open():
+    from batchfit.device.catalog import choose_gpu
+
+    assert {g.key for g in choose_gpu("H100").alternatives} == {"h100-pcie", "h100-nvl"}
+    assert {g.key for g in choose_gpu("A100").alternatives} == {
+        "a100-40gb", "a100-pcie-40gb", "a100-pcie-80gb"}
+    # another card, not a variant: L40S of L40, A100 of A10, RTX 3080 Ti of RTX 3080
+    for name in ("L40", "A10", "RTX 3080", "T4", "NVIDIA A100 80GB SXM"):
+        assert not choose_gpu(name).ambiguous, name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,13 +71,16 @@ class CausalAttention(nn.Module):
 
 def test_attention_kernel_follows_the_target():
     # bf16 autocast, 8 heads, seq 1024, batch 2, head dim 64. An A100 runs flash attention,
-    # which saves no s x s matrix; a T4 has no bf16 flash or memory-efficient kernel and
-    # runs the math path, which saves the softmax output: 2 x 8 x 1024 x 1024 x 2 B = 32 MiB.
-    def peak(device):
-        return batchfit.estimate(CausalAttention, (1024, 512), 2, precision="amp-bf16",
-                                 device=device).peak_allocated_bytes
+    # which saves no s x s matrix: the math path's softmax output would be one tensor of
+    # 2 x 8 x 1024 x 1024 x 2 B = 32 MiB. A T4 has no bf16 at all, and a bf16 step there is
+    # refused (its math-path choice for bf16 is checked in test_cuda_emulation).
+    from batchfit.errors import InvalidInputError
 
-    assert peak(T4) - peak(A100) >= 32 * MIB
+    trace = trace_step(CausalAttention, (1024, 512), 2,
+                       TrainConfig(precision=batchfit.Precision.AMP_BF16), A100)
+    assert max(e.nbytes for e in trace.steady_events) < 32 * MIB
+    with pytest.raises(InvalidInputError, match="compute capability 7.5"):
+        batchfit.estimate(CausalAttention, (1024, 512), 2, precision="amp-bf16", device=T4)
 
 
 def test_reserved_at_least_allocated_and_context_added():

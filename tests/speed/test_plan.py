@@ -160,7 +160,7 @@ def test_the_plan_on_a_small_model_equals_tracing_every_divisor():
         return torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(16)])
 
     inputs = (2048, 4096)
-    config = TrainConfig(optimizer="adamw", precision="amp-bf16")
+    config = TrainConfig(optimizer="adamw", precision="amp-fp16")  # a T4 has no bf16
     result = plan(mlp, inputs, config, gpus="2xT4", global_batch=128,
                   strategies=["ddp", "fsdp"], checkpointing="off", offload="none")
     device = gpu_profile(find_gpu("T4"))
@@ -199,7 +199,7 @@ pairs = []
 pair = tracepool.TracePool._pair
 tracepool.TracePool._pair = lambda self, a, b: pairs.append((a, b)) or pair(self, a, b)
 mlp = lambda: torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(16)])
-result = plan(mlp, (2048, 4096), TrainConfig(optimizer="adamw", precision="amp-bf16"),
+result = plan(mlp, (2048, 4096), TrainConfig(optimizer="adamw", precision="amp-fp16"),
               gpus="2xT4", global_batch=128, strategies=["ddp", "fsdp"], checkpointing="off",
               offload="none")
 print(json.dumps({"pairs": len(pairs), "rows": [r.to_dict() for r in result.rows]}))

@@ -20,7 +20,7 @@ from batchfit.device.profile import DeviceProfile, resolve_device
 from batchfit.device.snapshot import SnapshotComparison, allocator_config_of, compare_step
 from batchfit.device.timeline import ModuleMemory, Timeline, needed_bytes, replay_events
 from batchfit.engine.limits import KernelLimit
-from batchfit.engine.spec import TrainConfig, make_config
+from batchfit.engine.spec import Precision, TrainConfig, make_config
 from batchfit.engine.trace import StepTrace, TraceReuse, trace_step
 from batchfit.engine.tracer import Category, Event, Phase
 from batchfit.errors import InvalidInputError
@@ -45,6 +45,12 @@ class MemoryEstimate:
         timeline: the per-event timeline of the step (on CUDA, the last of the
             ``timeline.loop_steps`` steps replayed until the allocator repeats a state).
         warnings: things the trace could not see.
+        memory_bytes: the memory the step must fit, context included: the card's
+            (``--gpu NAME``, ``--gpu NAME --memory SIZE``, a live ``cuda:N``); None on the
+            CPU, which has no budget here.
+        fits: ``total_bytes <= memory_bytes``; None without a budget.
+        margin_bytes: ``memory_bytes - total_bytes``: what the step has to spare
+            (negative: what it lacks); None without a budget.
     """
 
     batch_size: int
@@ -83,6 +89,20 @@ class MemoryEstimate:
 
         return predicted_snapshot(self.events, self.device)
 
+    @property
+    def memory_bytes(self) -> int | None:
+        return self.device.total_memory_bytes if self.device.is_cuda else None
+
+    @property
+    def margin_bytes(self) -> int | None:
+        memory = self.memory_bytes
+        return None if memory is None else memory - self.total_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        margin = self.margin_bytes
+        return None if margin is None else margin >= 0
+
     def explain(self) -> str:
         """One sentence saying what dominates the peak."""
         category, size = max(self.by_category.items(), key=lambda kv: kv[1])
@@ -102,6 +122,9 @@ class MemoryEstimate:
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "total_bytes": self.total_bytes,
+            "memory_bytes": self.memory_bytes,
+            "fits": self.fits,
+            "margin_bytes": self.margin_bytes,
             "first_step_peak_bytes": self.first_step_peak_bytes,
             "loop_steps": self.timeline.loop_steps,
             "by_category": {c.value: b for c, b in self.by_category.items()},
@@ -177,9 +200,31 @@ def step_profile(device: DeviceProfile | str | None, config: TrainConfig,
                  alloc_conf: Any = None) -> DeviceProfile:
     """The target a step of ``config`` is predicted on: ``device`` with the CUDA context
     of the config's stack and its caching-allocator options (``alloc_conf`` instead of
-    the config's, when given: a snapshot's)."""
-    return resolve_device(device).for_stack(config.resolved_stack).with_allocator(
+    the config's, when given: a snapshot's).
+
+    Raises:
+        InvalidInputError: the config computes in bfloat16 on an NVIDIA card without it.
+    """
+    profile = resolve_device(device)
+    check_precision(profile, config.precision)
+    return profile.for_stack(config.resolved_stack).with_allocator(
         AllocatorConfig.resolve(config.alloc_conf if alloc_conf is None else alloc_conf))
+
+
+_BF16 = (Precision.AMP_BF16, Precision.BF16)
+
+
+def check_precision(profile: DeviceProfile, precision: Precision) -> None:
+    """bfloat16 needs an NVIDIA card of compute capability 8.0 or newer (Ampere): earlier
+    ones (V100, T4) have no bf16 tensor cores and no bf16 arithmetic, so a bf16 step there
+    is not what anyone trains with; fp16 autocast is their mixed precision."""
+    cc = profile.compute_capability
+    if profile.is_cuda and precision in _BF16 and cc is not None and cc < (8, 0):
+        raise InvalidInputError(
+            f"--precision {precision.value} needs bfloat16, which {profile.name} (compute "
+            f"capability {cc[0]}.{cc[1]}) lacks (it needs 8.0+, Ampere or newer): use "
+            f"--precision {'amp-fp16' if precision is Precision.AMP_BF16 else 'fp16'}, or a "
+            "newer card")
 
 
 def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True,

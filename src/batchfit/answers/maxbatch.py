@@ -62,10 +62,18 @@ class MaxBatchResult:
 
     Attributes:
         max_batch_size: the answer.
-        budget_bytes: memory available to the allocator (memory - context - workspace - margin).
+        budget_bytes: memory available to the step (memory - margin - context - NCCL -
+            workspaces); compare ``step_bytes_at_max``/``step_bytes_at_next``, which leave
+            the same fixed overheads out.
         memory_bytes: the device memory the budget was derived from.
-        total_bytes_at_max: device bytes needed at the answer (incl. context).
-        total_bytes_at_next: device bytes needed one batch higher (None when capped).
+        total_bytes_at_max: device bytes needed at the answer (incl. the context, NCCL and
+            workspaces); compare ``total_budget_bytes``, which includes them too.
+        total_bytes_at_next: device bytes needed at ``next_batch_size`` (None when capped).
+
+    The properties ``total_budget_bytes`` (memory - margin), ``step_bytes_at_max``,
+    ``step_bytes_at_next`` (what the step asks of the allocator beyond its fixed
+    workspaces) and ``next_batch_size`` (the batch ``*_at_next`` describe; None when it
+    was not traced) are in ``to_dict()`` too.
         traces: how many batch sizes were traced.
         binding_constraint: what stops a larger batch (memory, int32 indexing, the cap).
         estimate_at_max: the full estimate at the answer (breakdown, top modules).
@@ -90,6 +98,22 @@ class MaxBatchResult:
     ranks: tuple[tuple[int, int, int], ...] = ()  # (rank, max batch, bytes at it)
     binding_rank: int | None = None
 
+    @property
+    def total_budget_bytes(self) -> int:
+        return self.budget_bytes + _fixed_bytes(self.device)
+
+    @property
+    def step_bytes_at_max(self) -> int:
+        return _allocator_bytes(self.estimate_at_max)
+
+    @property
+    def step_bytes_at_next(self) -> int | None:
+        return None if self.estimate_at_next is None else _allocator_bytes(self.estimate_at_next)
+
+    @property
+    def next_batch_size(self) -> int | None:
+        return None if self.estimate_at_next is None else self.estimate_at_next.batch_size
+
     def to_dict(self) -> dict[str, Any]:
         est = self.estimate_at_max
         data = self._to_dict(est)
@@ -107,6 +131,10 @@ class MaxBatchResult:
             "margin": self.margin,
             "total_bytes_at_max": self.total_bytes_at_max,
             "total_bytes_at_next": self.total_bytes_at_next,
+            "total_budget_bytes": self.total_budget_bytes,
+            "step_bytes_at_max": self.step_bytes_at_max,
+            "step_bytes_at_next": self.step_bytes_at_next,
+            "next_batch_size": self.next_batch_size,
             "device": self.device.to_dict(),
             "traces": self.traces,
             "binding_constraint": self.binding_constraint.value,
@@ -124,7 +152,12 @@ class MaxBatchResult:
 
 @dataclass(frozen=True)
 class MaxSeqLenResult:
-    """The longest sequence length that fits at a fixed batch size."""
+    """The longest sequence length that fits at a fixed batch size.
+
+    ``budget_bytes`` leaves the context, NCCL and workspaces out, as ``MaxBatchResult``'s
+    does; ``total_bytes_at_*`` include them, as does ``total_budget_bytes``.
+    ``total_bytes_at_next`` is at ``next_seq_len`` (None when it was not traced).
+    """
 
     max_seq_len: int
     batch_size: int
@@ -134,13 +167,19 @@ class MaxSeqLenResult:
     traces: int
     capped: bool
     device: DeviceProfile
+    next_seq_len: int | None = None
+
+    @property
+    def total_budget_bytes(self) -> int:
+        return self.budget_bytes + _fixed_bytes(self.device)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "max_seq_len": self.max_seq_len, "batch_size": self.batch_size,
-            "budget_bytes": self.budget_bytes, "total_bytes_at_max": self.total_bytes_at_max,
-            "total_bytes_at_next": self.total_bytes_at_next, "traces": self.traces,
-            "capped": self.capped, "device": self.device.to_dict(),
+            "budget_bytes": self.budget_bytes, "total_budget_bytes": self.total_budget_bytes,
+            "total_bytes_at_max": self.total_bytes_at_max,
+            "total_bytes_at_next": self.total_bytes_at_next, "next_seq_len": self.next_seq_len,
+            "traces": self.traces, "capped": self.capped, "device": self.device.to_dict(),
         }
 
 
@@ -151,11 +190,16 @@ def _budget(profile: DeviceProfile, memory_bytes: int | None, margin: float) -> 
     if memory is None:
         raise InvalidInputError(
             "no memory budget for the CPU: give memory_bytes (--memory 16GiB) or a GPU")
-    overhead = profile.outside_allocator_bytes + profile.workspace_bytes
+    overhead = _fixed_bytes(profile)
     budget = int(memory * (1 - margin)) - overhead
     if budget <= 0:
         raise NothingFits(overhead, int(memory * (1 - margin)), smallest=0)
     return memory, budget
+
+
+def _fixed_bytes(profile: DeviceProfile) -> int:
+    """What the device holds whatever the batch: the context, NCCL and the workspaces."""
+    return profile.outside_allocator_bytes + profile.workspace_bytes
 
 
 def _allocator_bytes(est: MemoryEstimate) -> int:
@@ -508,7 +552,8 @@ def max_seq_len(model: Any, inputs: Any, batch_size: int, config: TrainConfig | 
         max_seq_len=solved.max_seq_len, batch_size=batch_size, budget_bytes=budget,
         total_bytes_at_max=totals[solved.max_seq_len].total_bytes,
         total_bytes_at_next=totals[at_next].total_bytes if at_next in totals else None,
-        traces=len(totals), capped=solved.capped, device=profile)
+        traces=len(totals), capped=solved.capped, device=profile,
+        next_seq_len=at_next if at_next in totals else None)
 
 
 def _prefetch_first_lengths(prefetch: Callable[..., None], max_len: int,

@@ -82,6 +82,14 @@ class NothingFits(DoesNotFitError):
             needed_bytes, budget_bytes)
         self.budget_bytes = budget_bytes
         self.smallest = smallest
+        self.axis = axis
+
+    def to_dict(self) -> dict[str, object]:
+        """The base verdict, with the answer (0: none fits) under the axis's own key and
+        the budget as ``budget_bytes`` (the step alone, as in the answers' JSON)."""
+        answer = "max_seq_len" if self.axis == "sequence length" else "max_batch_size"
+        return {**super().to_dict(), answer: 0, "budget_bytes": self.budget_bytes,
+                "smallest": self.smallest}
 
 
 @dataclass(frozen=True)

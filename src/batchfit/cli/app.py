@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import warnings
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ import typer
 from rich.console import Console
 
 from batchfit._gc import freeze_after_imports
+from batchfit.cli.interrupt import exit_on_interrupt
+from batchfit.cli.target import ATTN as _ATTN
+from batchfit.cli.target import check_attn, chosen, print_notes, resolve_target
 from batchfit.engine.spec import (
     Mode,
     Precision,
@@ -29,7 +33,7 @@ from batchfit.engine.spec import (
     parse_shape,
     parse_size,
 )
-from batchfit.errors import BatchfitError, InvalidInputError
+from batchfit.errors import BatchfitError, DoesNotFitError, InvalidInputError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Predict the GPU memory of a PyTorch step and the largest batch that fits.")
@@ -111,18 +115,23 @@ NcclOpt = typer.Option(None, "--nccl-memory",
 
 
 @contextlib.contextmanager
-def _errors(debug: bool) -> Iterator[None]:
-    """One clear line and an exit code for every error; a traceback only with --debug."""
+def _errors(debug: bool, json_head: dict[str, Any] | None = None) -> Iterator[None]:
+    """One clear line and an exit code for every error; a traceback only with --debug.
+    With ``json_head`` (``--json``), a "nothing fits" answer (exit 3) is still one JSON
+    object on stdout: the head's fields and the verdict."""
     try:
         yield
     except typer.Exit:
         raise
     except BatchfitError as exc:
+        if json_head is not None and isinstance(exc, DoesNotFitError):
+            _emit_json({**json_head, **exc.to_dict()})
         if debug:
             raise
         err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the library called from a test or a script: same line
+        err.print("interrupted", highlight=False)
         raise typer.Exit(130) from None
     except Exception as exc:  # noqa: BLE001 - last resort: still one line
         if debug:
@@ -138,48 +147,6 @@ def _progress(enabled: bool, description: str):
     if not enabled:
         return contextlib.nullcontext(None)
     return err.status(description)
-
-
-def _resolve_device(gpu: str | None, device: str | None, memory: str | None,
-                    overhead: str | None, need_budget: bool) -> tuple[Any, int | None]:
-    """The target profile, and the memory budget when it is not the profile's own memory.
-
-    ``--gpu NAME --memory SIZE`` is that card's architecture with SIZE of memory: the size
-    becomes the profile's memory (shown and reported as the card's), so no separate budget
-    is returned. With ``--device`` (or alone) ``--memory`` keeps its budget meaning: the CPU's
-    budget, or a cap below a live card's memory.
-    """
-    from batchfit.device.profile import DeviceProfile, gpu_profile
-
-    if gpu and device:
-        raise InvalidInputError("give --gpu or --device, not both")
-    memory_bytes = parse_size(memory) if memory is not None else None
-    context_bytes = parse_size(overhead, allow_zero=True) if overhead is not None else None
-    if gpu:
-        from batchfit.device.catalog import find_gpu, live_gpu
-
-        card = live_gpu(0) if gpu.strip().lower() == "auto" else find_gpu(gpu)
-        return gpu_profile(card, memory_bytes, context_bytes=context_bytes), None
-    if device is not None:
-        text = device.strip().lower()
-        if text == "cpu":
-            profile = DeviceProfile.cpu()
-        elif re.fullmatch(r"cuda(:\d+)?", text):
-            from batchfit.device.catalog import live_gpu
-
-            profile = gpu_profile(live_gpu(int(text.partition(":")[2] or 0)))
-        else:
-            raise InvalidInputError(f"unknown device {device!r}: use cpu or cuda:N (e.g. cuda:0)")
-    elif memory_bytes is not None:
-        profile = DeviceProfile.cpu()
-    elif need_budget:
-        raise InvalidInputError("give a budget: --gpu NAME, --memory SIZE (with --device cpu) "
-                                "or --device cuda:N")
-    else:
-        profile = DeviceProfile.cpu()
-    if context_bytes is not None:
-        profile = profile.with_overheads(context_bytes=context_bytes)
-    return profile, memory_bytes
 
 
 def _stack_settings(stack: str | None, torch_version: str | None, cuda_version: str | None,
@@ -219,8 +186,6 @@ class LlmArgs:
     transformers_version: str | None = None
 
 
-_ATTN = {"sdpa": "sdpa", "eager": "eager", "flash": "flash", "flash-attention-2": "flash",
-         "flash_attention_2": "flash"}
 
 
 def _parallel(world_size: int | None, strategy: str | None, offload: str, tp: int,
@@ -311,10 +276,15 @@ def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str,
 
 
 def _check_plot(path: str | None) -> None:
+    """The --plot file is checked before any work: a result is never lost to a bad path."""
     if path is not None:
         from batchfit.cli.plot import check_plot_path
 
         check_plot_path(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise InvalidInputError(f"cannot write --plot {path}: {folder} is not a folder "
+                                    "this user can write to; create it or give another path")
 
 
 def _emit_json(data: dict[str, Any]) -> None:
@@ -371,7 +341,7 @@ def estimate_cmd(
                 "on --device uses the device as it is (max --memory sets a budget)")
         parallel, nccl = _parallel(world_size, strategy, offload, tp, nodes, rank, wrap,
                                    nccl_memory)
-        profile, _ = _resolve_device(gpu, device, memory, overhead, need_budget=False)
+        profile, _ = resolve_target(gpu, device, memory, overhead, need_budget=False)
         if "stack" in settings:
             profile.for_stack(settings["stack"])
         with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
@@ -380,7 +350,8 @@ def estimate_cmd(
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                           checkpointing, channels_last, model_kwargs, llm,
                                           **settings)
-            _check_attn(llm, config, profile)
+            check_attn(llm.attn, config, profile)
+            notes, said = chosen(gpu, spec)
             if parallel is None:
                 from batchfit.answers.estimate import estimate
 
@@ -391,12 +362,13 @@ def estimate_cmd(
 
                 est = estimate_ranks(spec.factory, inputs, batch_size, config, device=profile,
                                      parallel=parallel, nccl=nccl)
+        print_notes(said, err)
         if plot:
             from batchfit.cli.plot import plot_estimate
 
             plot_estimate(est, plot)
         if as_json:
-            _emit_json({"model": model, **est.to_dict()})
+            _emit_json({"model": model, **notes, **est.to_dict()})
             return
         from batchfit.cli.report import render_estimate
 
@@ -438,7 +410,7 @@ def max_cmd(
     With --batch-size, the longest sequence length that fits at that batch instead. With
     --world-size, the largest per-GPU (micro-)batch that fits every rank.
     """
-    with _errors(debug):
+    with _errors(debug, {"model": model} if as_json else None):
         parallel, nccl = _parallel(world_size, strategy, offload, tp, nodes, rank, wrap,
                                    nccl_memory)
         if parallel is not None and batch_size is not None:
@@ -451,7 +423,7 @@ def max_cmd(
         _check_plot(plot)
         settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
                                    inference_mode, alloc_conf)
-        profile, memory_bytes = _resolve_device(gpu, device, memory, overhead, need_budget=True)
+        profile, memory_bytes = resolve_target(gpu, device, memory, overhead, need_budget=True)
         if "stack" in settings:  # the stack's context must leave room (checked before tracing)
             profile.for_stack(settings["stack"])
         if not profile.is_cuda and memory_bytes is None:
@@ -462,15 +434,17 @@ def max_cmd(
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                           checkpointing, channels_last, model_kwargs, llm,
                                           **settings)
-            _check_attn(llm, config, profile)
+            check_attn(llm.attn, config, profile)
+            notes, said = chosen(gpu, spec)
             if not profile.is_cuda and overhead is None:
                 if status is not None:
                     status.update(f"measuring the CPU runtime's overhead: one real step of {model}...")
                 profile = profile.with_overheads(
                     context_bytes=_measure_cpu_overhead(spec, inputs, config))
             if batch_size is not None:
-                _max_seq_len(model, spec, inputs, config, profile, memory_bytes, margin,
-                             batch_size, as_json, status)
+                _max_seq_len({"model": model, **notes}, spec, inputs, config, profile,
+                             memory_bytes, margin, batch_size, as_json, status)
+                print_notes(said, err)
                 return
             from batchfit.answers.maxbatch import max_batch_size
 
@@ -487,33 +461,19 @@ def max_cmd(
                                     max_batch_limit=max_limit, on_trace=on_trace,
                                     fit_batches=(1, 2) if small else None,
                                     parallel=parallel, nccl=nccl)
+        print_notes(said, err)
         if plot:
             from batchfit.cli.plot import plot_max_batch
 
             plot_max_batch(result, plot)
         if as_json:
-            _emit_json({"model": model, **result.to_dict()})
+            _emit_json({"model": model, **notes, **result.to_dict()})
             return
         from batchfit.cli.report import render_max_batch
 
         out.print(render_max_batch(result, model))
         if plot:
             out.print(f"plot written to {plot}")
-
-
-def _check_attn(llm: LlmArgs, config: Any, profile: Any) -> None:
-    """``--attn flash`` is the flash kernel the target must be able to run: flash-attention
-    (and SDPA's flash backend) need an sm80+ GPU and fp16/bf16 activations."""
-    if llm.attn is None or _ATTN.get(llm.attn.strip().lower()) != "flash":
-        return
-    half = config.precision.value in ("amp-fp16", "amp-bf16", "bf16", "fp16")
-    if not profile.is_cuda:
-        raise InvalidInputError("--attn flash runs flash-attention CUDA kernels: give --gpu NAME")
-    if tuple(profile.compute_capability or (0, 0)) < (8, 0) or not half:
-        raise InvalidInputError(
-            f"--attn flash needs an sm80+ GPU and fp16/bf16 (--precision amp-bf16, bf16...); "
-            f"{profile.name} is sm{''.join(map(str, profile.compute_capability or ()))} with "
-            f"{config.precision.value}: use --attn sdpa")
 
 
 def _measure_cpu_overhead(spec: Any, inputs: Any, config: Any) -> int:
@@ -541,11 +501,12 @@ def _context_length(spec: Any) -> int | None:
     return _max_positions(config) if config is not None else None
 
 
-def _max_seq_len(model: str, spec: Any, inputs: Any, config: Any, profile: Any,
+def _max_seq_len(head: dict[str, Any], spec: Any, inputs: Any, config: Any, profile: Any,
                  memory_bytes: int | None, margin: float, batch_size: int, as_json: bool,
                  status: Any) -> None:
     from batchfit.answers.maxbatch import max_seq_len
 
+    model = head["model"]
     if batch_size < 1:
         raise InvalidInputError(f"--batch-size must be a positive integer, not {batch_size}")
     if not spec.is_token_model:
@@ -562,7 +523,7 @@ def _max_seq_len(model: str, spec: Any, inputs: Any, config: Any, profile: Any,
                          memory_bytes=memory_bytes, margin=margin, max_len=limit,
                          on_trace=on_trace)
     if as_json:
-        _emit_json({"model": model, **result.to_dict()})
+        _emit_json({**head, **result.to_dict()})
         return
     from batchfit.cli.report import format_bytes
 
@@ -592,7 +553,7 @@ def search_cmd(
     as_json: bool = JsonOpt, debug: bool = DebugOpt,
 ) -> None:
     """Find the exact largest batch on the real device, starting from the prediction."""
-    with _errors(debug):
+    with _errors(debug, {"model": model} if as_json else None):
         if boundary_runs < 1:
             raise InvalidInputError(f"--boundary-runs must be at least 1, not {boundary_runs}")
         if steps_per_trial < 2:
@@ -686,7 +647,7 @@ def bench_cmd(
             raise InvalidInputError(f"--dataset-size must be a positive integer, not {dataset_size}")
         if predict and not gpu:
             raise InvalidInputError("--predict needs --gpu NAME: the card to predict for")
-        if gpu and not predict:
+        if gpu is not None and not predict:
             raise InvalidInputError("--gpu goes with --predict; to measure, use --device cpu|cuda:N")
         _predicted_only(predict, "bench", stack, torch_version, cuda_version, cudnn_benchmark,
                         alloc_conf)
@@ -698,6 +659,7 @@ def bench_cmd(
         card = _predicted_card(gpu, memory_bytes, settings.get("stack")) if predict else None
         spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                       checkpointing, channels_last, model_kwargs, **settings)
+        notes, said = chosen(gpu, spec)
         if predict:
             from batchfit.speed.roofline import predict_throughput
 
@@ -718,12 +680,13 @@ def bench_cmd(
 
                 err.print(f"bench: no --memory: using the {format_bytes(result.memory_bytes)} "
                           "this machine has available now", highlight=False)
+        print_notes(said, err)
         if plot:
             from batchfit.cli.plot import plot_throughput
 
             plot_throughput(result, plot)
         if as_json:
-            _emit_json({"model": model, **result.to_dict()})
+            _emit_json({"model": model, **notes, **result.to_dict()})
             return
         from batchfit.cli.report import render_bench
 
@@ -839,9 +802,13 @@ def main() -> None:
     # while they import, again and again (0.64 s in 6 walks of a 12 s `max`); _setup()
     # freezes them once they exist and turns it back on (batchfit/_gc.py).
     gc.disable()
+    exit_on_interrupt()
     try:
         app()
     finally:
+        # the command is over (its answer printed): a Ctrl-C now, while the interpreter
+        # tears down, would only kill it by the signal, in the middle of that
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         gc.enable()
 
 

@@ -135,6 +135,8 @@ def render_estimate(est: Any) -> Group:
         f" for one {'training' if est.timeline.phases and 'backward' in {p.value for p in est.timeline.phases} else 'inference'} step at batch {est.batch_size} on {where}",
     )
     lines: list[Any] = [head]
+    if (verdict := fit_verdict(est)) is not None:
+        lines.append(verdict)
     if device.is_cuda:
         lines.append(Text(
             f"allocated {format_bytes(est.peak_allocated_bytes)}, reserved "
@@ -166,6 +168,18 @@ def render_estimate(est: Any) -> Group:
     if getattr(est, "snapshot_comparison", None) is not None:
         lines.extend(snapshot_lines(est.snapshot_comparison))
     return Group(*lines)
+
+
+def fit_verdict(est: Any) -> Text | None:
+    """Whether the step fits the card, with what it spares or lacks; None without a budget."""
+    if est.fits is None:
+        return None
+    memory = f"{est.device.name}'s {format_bytes(est.memory_bytes)}"
+    if est.fits:
+        return Text.assemble(("fits", "bold green"),
+                             f" {memory}, {format_bytes(est.margin_bytes)} to spare")
+    return Text.assemble(("does not fit", "bold red"),
+                         f" {memory}: {format_bytes(-est.margin_bytes)} short")
 
 
 def allocator_lines(device: Any) -> list[Text]:

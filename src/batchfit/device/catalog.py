@@ -252,6 +252,69 @@ def find_gpu(name: str) -> GPU:
     raise InvalidInputError(_unknown_message(name, norm))
 
 
+#: Words that tell variants of one card apart (form factor, memory, generation), as opposed
+#: to words that name another card ("Ti", "S", "X": an RTX 3080 Ti is not an RTX 3080).
+_VARIANT_WORDS = frozenset({"g", "gb", "gib", "sxm", "pcie", "nvl", "hbm", "server",
+                            "workstation", "edition", "max", "q", "ada", "generation",
+                            "blackwell"})
+
+
+@dataclass(frozen=True)
+class GpuChoice:
+    """The card a name resolved to, and the other variants the same name could mean.
+
+    Attributes:
+        requested: the name as given.
+        card: the card it resolved to (:func:`find_gpu`).
+        alternatives: other catalog cards whose names extend the given one with variant
+            words only (memory, form factor: "A100" -> "A100 40GB", "A100 PCIe"); empty
+            when the name picks one card.
+    """
+
+    requested: str
+    card: GPU
+    alternatives: tuple[GPU, ...] = ()
+
+    @property
+    def ambiguous(self) -> bool:
+        return bool(self.alternatives)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"requested": self.requested, "name": self.card.name, "key": self.card.key,
+                "alternatives": [g.name for g in self.alternatives]}
+
+
+def choose_gpu(name: str) -> GpuChoice:
+    """:func:`find_gpu`, and the variants the name leaves open (the catalog picks the most
+    common one; a caller says which it took).
+
+    Raises:
+        InvalidInputError: as :func:`find_gpu`.
+
+    Example:
+        >>> from batchfit.device.catalog import choose_gpu
+        >>> choice = choose_gpu("V100")
+        >>> choice.card.key, [g.key for g in choice.alternatives]
+        ('v100-16gb', ['v100-32gb', 'v100-pcie-16gb', 'v100-pcie-32gb'])
+        >>> choose_gpu("RTX 3080").ambiguous
+        False
+    """
+    card = find_gpu(name)
+    typed = _tokens(name)
+    alternatives = tuple(
+        other for other in load_catalog() if other is not card and any(
+            (names := _tokens(text))[:len(typed)] == typed and len(names) > len(typed)
+            and all(t.isdigit() or t in _VARIANT_WORDS for t in names[len(typed):])
+            for text in (other.name, other.key, *other.aliases)))
+    return GpuChoice(requested=name, card=card, alternatives=alternatives)
+
+
+def _tokens(text: str) -> list[str]:
+    """A name as words and numbers without the vendor words: "A100-SXM4-80GB" ->
+    ["a", "100", "sxm", "4", "80", "gb"]."""
+    return [t for t in re.findall(r"[a-z]+|\d+", str(text).lower()) if t not in _VENDOR_WORDS]
+
+
 def live_gpu(index: int = 0) -> GPU:
     """Describe CUDA device ``cuda:{index}`` as it is on this machine.
 

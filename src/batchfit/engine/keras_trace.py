@@ -8,12 +8,13 @@ names) are in :mod:`batchfit.engine.keras_step`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from batchfit.engine import _torch_internals as ti
-from batchfit.engine.trace import StepTrace, TraceReuse, _translate_error
+from batchfit.engine.trace import _SHAPE_WORDS, StepTrace, TraceReuse, _translate_error
 from batchfit.engine.tracer import Category, Phase, Tracer
 
 
@@ -41,12 +42,37 @@ def prepared_keras(base: Any, is_users: bool, inputs: Any, config: Any,
                 raise InvalidInputError(
                     "the Keras model declares no fixed input shape (a subclassed model, or "
                     "an Input with a free dimension): give the per-sample input")
-            targets = keras_step.target_specs(meta, normalize_input_spec(spec))
-            keras_step.prepare(meta, normalize_input_spec(spec), targets)
+            with _input_checked(meta):
+                targets = keras_step.target_specs(meta, normalize_input_spec(spec))
+                keras_step.prepare(meta, normalize_input_spec(spec), targets)
         if reuse is not None:
             reuse.keras = (meta, targets)
     spec = inputs if inputs is not None else keras_step.input_spec(meta)
     return meta, normalize_input_spec(spec), targets
+
+
+@contextlib.contextmanager
+def _input_checked(meta: Any) -> Iterator[None]:
+    """Keras checks the input against the model's declared one while it builds the step
+    (symbolically, before any trace) and raises ValueError: the same wrong input a torch
+    model reports as :class:`~batchfit.errors.InputShapeError` (exit 2), so the same
+    error here, with the input the model declares."""
+    from batchfit.engine import keras_step
+    from batchfit.engine.spec import TensorSpec
+    from batchfit.errors import InputShapeError
+
+    try:
+        yield
+    except ValueError as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        if not any(word in first_line.lower() for word in _SHAPE_WORDS):
+            raise
+        declared = keras_step.input_spec(meta)
+        shape = declared.shape if isinstance(declared, TensorSpec) else None
+        hint = (f"; the model declares per-sample input {'x'.join(map(str, shape))} (--input)"
+                if shape else "")
+        raise InputShapeError(f"input does not fit the Keras model: {first_line}{hint}",
+                              expected=shape) from exc
 
 
 def trace_keras_step(base: Any, is_users: bool, inputs: Any, batch_size: int, config: Any,

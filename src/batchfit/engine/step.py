@@ -27,6 +27,7 @@ with ``TrainConfig.inference_mode``), forward only.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -80,6 +81,7 @@ def make_tensor(spec: TensorSpec, batch_size: int, float_dtype: torch.dtype | No
     """A batch tensor for ``spec`` on the current default device (fake or real CPU)."""
     shape = spec.batch_shape(batch_size)
     dtype = torch_dtype(spec.dtype)
+    _check_tensor_size(shape, dtype, batch_size)
     if spec.is_integer:
         high = spec.high if spec.high is not None else 2
         if dtype is torch.bool:
@@ -91,6 +93,19 @@ def make_tensor(spec: TensorSpec, batch_size: int, float_dtype: torch.dtype | No
     if memory_format is not None and tensor.dim() == 4:
         tensor = tensor.contiguous(memory_format=memory_format)
     return tensor
+
+
+_MAX_TENSOR_BYTES = 2**63 - 1  # torch sizes a tensor's storage in int64 bytes
+
+
+def _check_tensor_size(shape: tuple[int, ...], dtype: torch.dtype, batch_size: int) -> None:
+    """A batch whose input alone would pass torch's int64 storage size is a mistyped
+    batch size, refused here rather than by torch's overflow error deep in the trace."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > _MAX_TENSOR_BYTES:
+        raise InvalidInputError(
+            f"batch size {batch_size:,} makes an input of {nbytes:.3g} bytes, more than a "
+            f"tensor can hold (2^63 - 1 bytes): give a smaller batch size")
 
 
 def make_batch(spec: InputSpec, batch_size: int, float_dtype: torch.dtype | None,

@@ -458,10 +458,13 @@ def _kernel_limit(tracer: Tracer, emulation: Any) -> KernelLimit | None:
 def _library_context(config: Any, device: Any) -> Any:
     """What the libraries must be told while the step runs on fake tensors: transformers'
     value-dependent mask decisions answered as on the real batch, and the workload's own
-    (the chunked loss's kernel launches; bitsandbytes' CUDA dispatch)."""
+    (the chunked loss's kernel launches; bitsandbytes' CUDA dispatch); and fake_tensor's
+    log of a failing meta kernel left out, since the trace reports the error itself."""
+    from batchfit._logs import without_meta_failure_log
     from batchfit.engine.workloads.hfcompat import real_batch_decisions
 
     stack = contextlib.ExitStack()
+    stack.enter_context(without_meta_failure_log())
     stack.enter_context(real_batch_decisions(packing=config.packing))
     if config.workload is not None:
         from batchfit.engine.workloads.runtime import workload_runtime

@@ -104,6 +104,14 @@ def _build_from_file(path: str, factory_name: str, kwargs: Mapping[str, Any]) ->
                                   factory_name)[0]
 
 
+def check_not_directory(path: str, factory_name: str) -> None:
+    """A directory where the model file belongs: say so, and what to give instead."""
+    if Path(path).expanduser().is_dir():
+        raise ModelSpecError(
+            f"'{path}' is a directory, not a model file: give the Python file that defines "
+            f"the factory, e.g. {Path(path) / 'model.py'}:{factory_name or 'build'}")
+
+
 def resolve_file(user_spec: str, kwargs: dict[str, Any]) -> ModelSpec:
     import torch
     match = FILE_SPEC.match(user_spec)
@@ -112,6 +120,7 @@ def resolve_file(user_spec: str, kwargs: dict[str, Any]) -> ModelSpec:
             f"malformed model file spec {user_spec!r}: write path/to/file.py:factory")
     path = Path(match["path"]).expanduser().resolve()
     factory_name = (match["factory"] or "").strip()
+    check_not_directory(match["path"], factory_name)
     if not path.is_file():
         raise ModelSpecError(f"model file '{match['path']}' not found")
     from batchfit.engine import keras_step

@@ -93,6 +93,9 @@ class ModelSpec:
         max_positions: the model's context length from its config (HF models).
         keras_compiled: for a Keras 3 model, whether its factory compiles it (its own
             optimizer and loss are then used); None for other models.
+        hf_task: the head a ``transformers`` model is built with; None for other models.
+        hf_task_chosen: the head was chosen from the config (no ``task=`` given), so a
+            caller says which.
     """
 
     name: str
@@ -105,6 +108,8 @@ class ModelSpec:
     hf_labels: bool = False
     max_positions: int | None = None
     keras_compiled: bool | None = None
+    hf_task: HFTask | None = None
+    hf_task_chosen: bool = False
 
 
 class HFTask(StrEnum):
@@ -185,6 +190,9 @@ def resolve_model(spec: str, *, model_kwargs: Mapping[str, Any] | None = None,
     elif prefix == "hf":
         resolved = _resolve_hf(text, rest.strip(), kwargs, seq_len)
     else:
+        if ":" in text:  # "models/:build": a directory given as the model file
+            path, _, factory_name = text.rpartition(":")
+            files.check_not_directory(path, factory_name)
         resolved = _resolve_bare(text, kwargs, seq_len, input_shape)
     resolved = _apply_input_overrides(resolved, seq_len, input_shape)
     return _with_packing(resolved) if packing else resolved
@@ -516,7 +524,8 @@ def _hf_spec(user_spec: str, source: _HFSource, kwargs: dict[str, Any],
     return ModelSpec(name=user_spec, factory=factory,
                      input_spec=_hf_input_spec(config, task, vocab_size, default_len),
                      is_token_model=True, vocab_size=vocab_size, default_seq_len=default_len,
-                     hf_labels=True, max_positions=_max_positions(config))
+                     hf_labels=True, max_positions=_max_positions(config), hf_task=task,
+                     hf_task_chosen=task_arg is None)
 
 
 def _hf_config(transformers: Any, source: _HFSource, overrides: Mapping[str, Any]) -> Any:

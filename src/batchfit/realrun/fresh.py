@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from batchfit._fork import helper_preexec
 from batchfit.errors import TrialError
 from batchfit.realrun.trial import Trial
 
@@ -62,7 +63,7 @@ class _Child:
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the child
         self.process = subprocess.Popen(
             [sys.executable, "-c", _CHILD, request_path], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self.stderr, env=env)
+            stdout=subprocess.PIPE, stderr=self.stderr, env=env, preexec_fn=helper_preexec())
         self.started = time.perf_counter()
 
     def go(self, batch_size: int) -> None:

@@ -70,7 +70,7 @@ from typing import Any, BinaryIO, Self
 import torch
 from torch import nn
 
-from batchfit._fork import fork_child
+from batchfit._fork import fork_child, helper_preexec
 from batchfit.engine.spec import Mode, TrainConfig, make_config
 from batchfit.engine.step import StepRunner
 from batchfit.errors import InvalidInputError, TrialError
@@ -291,7 +291,8 @@ class TrialServer:
         self.env = env  # also the environment of the search's exec'd boundary runs
         self._process = subprocess.Popen(
             [sys.executable, "-c", "from batchfit.realrun.trial_server import zygote_main; zygote_main()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            preexec_fn=helper_preexec())
         # Read through the unbuffered stream, so that select() sees every pending byte.
         self._output = self._process.stdout.raw
         _frame(self._process.stdin, pickle.dumps({

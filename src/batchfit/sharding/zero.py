@@ -99,13 +99,15 @@ def _quiet_deepspeed() -> Iterator[None]:
     import logging
     import warnings
 
-    loggers = [logging.getLogger(name)
-               for name in ("DeepSpeed", "deepspeed", "torch.utils.cpp_extension")]
+    from batchfit._logs import without_cuda_home_notice
+
+    loggers = [logging.getLogger(name) for name in ("DeepSpeed", "deepspeed")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), \
+                without_cuda_home_notice():
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             yield
     finally:

@@ -154,7 +154,10 @@ class _KernelTimer:
         warm-up calls."""
         import statistics
 
-        from torch.utils.benchmark import Timer
+        from batchfit._logs import without_cuda_home_notice
+
+        with without_cuda_home_notice():
+            from torch.utils.benchmark import Timer
 
         extra = {"timer": self.clock} if self.clock is not None else {}
         timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=self.threads, **extra)

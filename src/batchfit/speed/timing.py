@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
+from batchfit._logs import without_cuda_home_notice
 from batchfit.engine.spec import parse_enum
 from batchfit.errors import InvalidInputError
 
@@ -162,7 +163,8 @@ def _thread_count(timing: TimingConfig) -> int:
 
 def _time_step(step: Callable[[], None], timing: TimingConfig) -> tuple[float, float, int, int]:
     """``(median_s, iqr_s, blocks, steps)`` of steady-state steps, by torch.utils.benchmark."""
-    from torch.utils.benchmark import Timer
+    with without_cuda_home_notice():
+        from torch.utils.benchmark import Timer
 
     threads = _thread_count(timing)
     with _threads(threads):
