@@ -172,7 +172,7 @@ def test_exit_3_under_json_still_prints_the_verdict():
     assert data["fits"] is False and data["model"] == "hf:Qwen/Qwen2.5-0.5B"
     assert data["available_bytes"] == 241_591_911
     assert data["needed_bytes"] > _PARAMS_2_LAYERS * 2 > data["available_bytes"]
-    assert "leaves no memory for the KV cache" in data["error"]
+    assert "leaves no memory for the KV cache" in data["verdict"]
     plain = runner.invoke(app, args)  # without --json: the one line, no JSON
     assert plain.exit_code == 3 and len(plain.output.strip().splitlines()) == 1
     fits = runner.invoke(app, [*args[:5], "40GiB", *args[6:], "--json"])

@@ -45,13 +45,12 @@ def serve_cmd(
     as_json: bool = JsonOpt, debug: bool = DebugOpt,
 ) -> None:
     """Serving capacity: KV-cache bytes per token, blocks, tokens and concurrent sequences."""
-    with _errors(debug):
+    head = {"model": model, "gpu": gpu, "engine": engine} if as_json else None
+    with _errors(debug, json_head=head):
         from batchfit.answers.serve import serve_capacity
-        from batchfit.cli.verdict import json_verdict
         from batchfit.models.resolve import parse_model_kwargs
 
-        with (json_verdict(as_json, {"model": model, "gpu": gpu, "engine": engine}),
-              _progress(not as_json, f"tracing {model}'s profile forward on {gpu}...")):
+        with _progress(not as_json, f"tracing {model}'s profile forward on {gpu}..."):
             result = serve_capacity(
                 model, device=_serve_gpu(gpu), engine=engine, max_model_len=max_model_len,
                 gpu_memory_utilization=utilization, dtype=dtype, kv_dtype=kv_dtype,
