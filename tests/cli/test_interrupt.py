@@ -60,9 +60,10 @@ def interrupt(args: list[str], delay_s: float, *, group: bool) -> tuple[int, lis
 
 @pytest.mark.parametrize("delay_s", [0.5, 2.0, 5.0])
 def test_ctrl_c_during_max(delay_s):
-    # importing, building, tracing (a few seconds of traces at these sizes)
-    code, lines, left = interrupt(["max", "torchvision:resnet18", "--gpu", "A100 80GB SXM"],
-                                  delay_s, group=True)
+    # importing, building, tracing: a 7B model's traces take far longer than the last
+    # delay on any machine (a small model can finish first on an idle one, voiding the check)
+    code, lines, left = interrupt(["max", "hf:meta-llama/Llama-2-7b-hf", "--gpu",
+                                   "A100 80GB SXM"], delay_s, group=True)
     assert code == 130 and lines == ["interrupted"] and left == []
 
 
