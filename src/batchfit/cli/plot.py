@@ -109,21 +109,30 @@ def _figure(plt: Any, widths: list[float], size: tuple[float, float]) -> tuple[A
                         gridspec_kw={"width_ratios": widths})
 
 
-def _save(plt: Any, fig: Any, path: str) -> None:
+def _laid_out(fig: Any) -> Any:
+    """Lay the figure out, then hide the tick labels that still overlap."""
     fig.canvas.draw()
     for ax in fig.axes:
         drop_overlapping_labels(fig, [t for t in ax.get_xticklabels() if t.get_text()])
+    return fig
+
+
+def _save(plt: Any, fig: Any, path: str) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def plot_estimate(est: Any, path: str) -> None:
-    check_plot_path(path)
-    plt = _pyplot()
-    fig, (left, right) = _figure(plt, [3, 1], (11, 4))
+def estimate_figure(est: Any) -> Any:
+    """The timeline of one step and the breakdown at its peak (a matplotlib Figure)."""
+    fig, (left, right) = _figure(_pyplot(), [3, 1], (11, 4))
     _timeline(left, est)
     _breakdown(right, est)
-    _save(plt, fig, path)
+    return _laid_out(fig)
+
+
+def plot_estimate(est: Any, path: str) -> None:
+    check_plot_path(path)
+    _save(_pyplot(), estimate_figure(est), path)
 
 
 def _memory_vs_batch(ax: Any, result: Any) -> None:
@@ -149,15 +158,18 @@ def _memory_vs_batch(ax: Any, result: Any) -> None:
     ax.legend(fontsize=7, loc="lower right")
 
 
-def plot_max_batch(result: Any, path: str) -> None:
+def max_batch_figure(result: Any) -> Any:
     """Memory vs batch size with the card's line, the breakdown at B*, and the timeline."""
-    check_plot_path(path)
-    plt = _pyplot()
-    fig, axes = _figure(plt, [2, 1, 3], (16, 4.5))
+    fig, axes = _figure(_pyplot(), [2, 1, 3], (16, 4.5))
     _memory_vs_batch(axes[0], result)
     _breakdown(axes[1], result.estimate_at_max)
     _timeline(axes[2], result.estimate_at_max)
-    _save(plt, fig, path)
+    return _laid_out(fig)
+
+
+def plot_max_batch(result: Any, path: str) -> None:
+    check_plot_path(path)
+    _save(_pyplot(), max_batch_figure(result), path)
 
 
 def plot_throughput(result: Any, path: str) -> None:
@@ -183,4 +195,4 @@ def plot_throughput(result: Any, path: str) -> None:
     handles = ax.get_legend_handles_labels()[0] + mem.get_legend_handles_labels()[0]
     ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="lower right")
     ax.set_title("throughput and memory vs batch size")
-    _save(plt, fig, path)
+    _save(plt, _laid_out(fig), path)
