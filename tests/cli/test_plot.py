@@ -11,9 +11,9 @@ from torch import nn
 
 pytest.importorskip("matplotlib")
 
-from batchfit import TensorSpec  # noqa: E402
-from batchfit.answers.maxbatch import max_batch_size  # noqa: E402
-from batchfit.cli.plot import byte_unit, max_batch_figure  # noqa: E402
+from batchfit import TensorSpec
+from batchfit.answers.maxbatch import max_batch_size
+from batchfit.cli.plot import byte_unit, max_batch_figure
 
 MIB = 1 << 20
 
