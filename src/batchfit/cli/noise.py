@@ -38,7 +38,11 @@ from batchfit.engine.spec import parse_size
 from batchfit.errors import InvalidInputError
 
 WorkloadArg = typer.Argument(
-    ..., help="path/to/file.py:factory returning (model, data, loss_fn[, optimizer])")
+    ..., help="path/to/file.py:factory returning (model, data, loss[, optimizer]) or a dict "
+              "with those keys; data: a map-style Dataset, a DataLoader or tensors; loss: "
+              "loss_fn(model, batch) -> mean loss, or a criterion(output, target) such as "
+              "nn.MSELoss() for batches (input..., target), told apart by its first "
+              "parameter (model, module, net, network, m, or typed nn.Module: loss_fn)")
 SmallOpt = typer.Option(8, "--batch-small", help="the small batch (micro-batch) size")
 BigOpt = typer.Option(64, "--batch-big", help="the big batch size (a multiple of the small one)")
 StepsOpt = typer.Option(50, "--steps", help="measured steps (big batches)")
@@ -115,7 +119,16 @@ def noise_cmd(
     model_kwargs: list[str] | None = KwargsOpt,
     as_json: bool = JsonOpt, plot: str | None = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
-    """Measure the gradient noise scale B_simple of a model on its data."""
+    """Measure the gradient noise scale B_simple of a model on its data.
+
+    The factory returns (model, data, loss) or (model, data, loss, optimizer). The loss is
+    either loss_fn(model, batch), returning the batch's mean loss, or a criterion(output,
+    target) such as nn.MSELoss(), F.cross_entropy or lambda out, y: ..., called as
+    criterion(model(*inputs), target) on batches (input..., target). An nn.Module loss is
+    a criterion; otherwise the first parameter decides (after a bound method's self and a
+    functools.partial's arguments): named model, module, net, network or m, or typed
+    nn.Module, means loss_fn(model, batch); only *args means loss_fn(model, batch).
+    """
     with _errors(debug):
         _check_plot(plot)
         loaded = _load(workload, device, model_kwargs)

@@ -115,7 +115,8 @@ def plot_noise(noise: Any, path: str) -> None:
     check_plot_path(path)
     plt = _pyplot()
     history = noise.history
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
+                                     layout="constrained")
     steps = [s.step for s in history]
     top.plot(steps, [s.b_simple if math.isfinite(s.b_simple) else math.nan for s in history],
              color="tab:blue", label="running B_simple")
@@ -136,7 +137,6 @@ def plot_noise(noise: Any, path: str) -> None:
     twin.set_ylabel("|G|²")
     handles = bottom.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     bottom.legend(handles, [h.get_label() for h in handles], fontsize=8)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -149,7 +149,7 @@ def plot_recommendation(rec: Any, path: str) -> None:
     options = rec.options
     batches = [o.batch_size for o in options]
     measured = [o for o in options if o.measured]
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8.5), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8.5), sharex=True, layout="constrained")
     panels = ((axes[0], "samples/s", lambda o: o.samples_per_s),
               (axes[1], "steps to target / S_min", lambda o: o.steps_factor),
               (axes[2], "time to target (relative)", lambda o: o.relative_time))
@@ -171,6 +171,5 @@ def plot_recommendation(rec: Any, path: str) -> None:
     axes[0].legend(fontsize=8)
     axes[2].set_xlabel("batch size")
     axes[0].set_title("throughput x statistical efficiency: (1 + B_noise/B) x step time")
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

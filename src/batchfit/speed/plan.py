@@ -161,11 +161,12 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
         raise InvalidInputError("checkpointing is off, on or auto; offload is none or auto")
     Parallelism(world_size=count, nodes=nodes)  # checks the world and the nodes
     network = network_bytes_per_s or DEFAULT_NETWORK_BYTES_PER_S
-    names = list(strategies or DEFAULT_STRATEGIES + (("hsdp",) if nodes > 1 else ()))
-    facts = _model_facts(model, inputs, config)
-    speed = _Speed(model, inputs, card)
+    names = _strategy_names(strategies, nodes)
     layouts = [(strategy, tp, _layout(strategy, count, nodes, tp)) for strategy in names
                for tp in ([1] if strategy != "fsdp" else [1, *tp_degrees])]
+    _check_global_batch(global_batch, count, [layout for _, _, layout in layouts])
+    facts = _model_facts(model, inputs, config)
+    speed = _Speed(model, inputs, card)
     requests = [(replace(layout, offload=off), replace(config, checkpointing=ckpt), micro)
                 for _, _, layout in layouts
                 if not isinstance(layout, str) and global_batch % layout.data_parallel_size == 0
@@ -181,6 +182,31 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
                                       network, checkpointing, offload, on_layout))
     rows.sort(key=lambda r: (not r.feasible, r.step_s if r.feasible else 0.0))
     return PlanResult(card.name, count, nodes, global_batch, tuple(rows))
+
+
+def _strategy_names(strategies: Sequence[str] | None, nodes: int) -> list[str]:
+    """The strategies to try, each a known one (else one line naming the valid ones)."""
+    from batchfit.engine.spec import parse_enum
+    from batchfit.sharding.layout import Strategy
+
+    if not strategies:
+        return list(DEFAULT_STRATEGIES + (("hsdp",) if nodes > 1 else ()))
+    return list(dict.fromkeys(parse_enum(Strategy, name, "strategy").value
+                              for name in strategies))
+
+
+def _check_global_batch(global_batch: int, gpus: int, layouts: Sequence[Any]) -> None:
+    """Every data-parallel replica takes ``global_batch / data_parallel_size`` samples, so
+    the global batch must be a multiple of the data-parallel size (the GPUs, divided by the
+    tensor-parallel degree) of at least one layout."""
+    sizes = sorted({layout.data_parallel_size for layout in layouts
+                    if not isinstance(layout, str)})
+    if sizes and all(global_batch % size for size in sizes):
+        listed = " or ".join(str(size) for size in sizes)
+        raise InvalidInputError(
+            f"the global batch ({global_batch}) must be a multiple of the data-parallel size "
+            f"({listed} on {gpus} GPUs), so each replica gets a whole number of samples: "
+            f"use e.g. --global-batch {sizes[0] * max(1, -(-global_batch // sizes[0]))}")
 
 
 def _divisors(n: int) -> list[int]:

@@ -62,6 +62,10 @@ class BatchSource:
                     f"{sorted(sizes)}")
             self.size = sizes.pop()
             return
+        if isinstance(data, (str, bytes)):
+            raise InvalidInputError(
+                f"the data is a {type(data).__name__} ({str(data)[:40]!r}): return a Dataset, a "
+                "DataLoader or tensors from the factory, not a path or a name")
         self._kind = "dataset"
         dataset, collate = data, None
         from torch.utils.data import DataLoader, IterableDataset

@@ -40,6 +40,7 @@ from batchfit.engine.spec import parse_enum
 from batchfit.errors import InvalidInputError
 from batchfit.stats.data import BatchSource
 from batchfit.stats.estimator import NoiseScale, NoiseScaleEstimator, check_ema_decay
+from batchfit.stats.loss import LossFn, as_model_loss
 from batchfit.stats.monitor import (
     NoiseScaleMonitor,
     NoiseScaleWarning,
@@ -51,8 +52,6 @@ from batchfit.stats.monitor import (
 
 #: Per-example gradients are computed this many bytes' worth of examples at a time.
 PER_EXAMPLE_CHUNK_BYTES = 256 << 20
-
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 class PerExampleUnsupported(InvalidInputError):
@@ -93,6 +92,10 @@ def checked_loss(loss: Any) -> torch.Tensor:
             "to the mean over the batch (e.g. loss.mean())")
     if not loss.is_floating_point():
         raise InvalidInputError(f"loss_fn returned a {loss.dtype} tensor: return a float loss")
+    if not bool(torch.isfinite(loss.detach()).all()):
+        raise InvalidInputError(
+            f"the loss is {loss.item()} on a batch of the data: no gradient noise can be "
+            "measured from it; check the data for nan/inf and the model at these weights")
     if not loss.requires_grad:
         raise InvalidInputError(
             "the loss does not depend on any trainable parameter (no grad_fn): check that "
@@ -132,7 +135,7 @@ def _check_batches(method: Method, batch_small: int, batch_big: int, world_size:
             f"use a multiple of {batch_small * world_size}")
 
 
-def noise_scale(model: nn.Module, loss_fn: LossFn | None, data: Any, *, batch_small: int = 8,
+def noise_scale(model: nn.Module, loss_fn: Callable[..., Any] | None, data: Any, *, batch_small: int = 8,
                 batch_big: int = 64, steps: int = 50, method: Method | str = Method.AUTO,
                 optimizer: torch.optim.Optimizer | None = None,
                 ema_decay: float | None = None, confidence: float = 0.95, seed: int = 0,
@@ -142,8 +145,11 @@ def noise_scale(model: nn.Module, loss_fn: LossFn | None, data: Any, *, batch_sm
     Args:
         model: the module (any device; batches are moved to its parameters' device).
             Left exactly as it was (see the module docstring).
-        loss_fn: ``loss_fn(model, batch) -> scalar`` mean loss of the batch (the formulas
-            assume a mean, not a sum). None: ``model(**batch).loss`` for dict batches.
+        loss_fn: ``loss_fn(model, batch) -> scalar`` mean loss of the batch, or a
+            ``criterion(output, target)`` such as ``nn.MSELoss()`` for batches
+            ``(input..., target)``; told apart by the signature (see
+            :mod:`batchfit.stats.loss`). The formulas assume a mean, not a sum. None:
+            ``model(**batch).loss`` for dict batches.
         data: a map-style Dataset, a DataLoader over one, or tensors (see
             :mod:`batchfit.stats.data`); it must hold at least ``batch_big`` examples.
         batch_small, batch_big: the two batch sizes (``batch_small < batch_big``; for
@@ -186,8 +192,7 @@ def noise_scale(model: nn.Module, loss_fn: LossFn | None, data: Any, *, batch_sm
             f"the small batch ({batch_small}) must be smaller than the big batch ({batch_big})")
     _check_positive_int(steps, "steps", 2)
     check_ema_decay(ema_decay)
-    if loss_fn is not None and not callable(loss_fn):
-        raise InvalidInputError("loss_fn must be callable as loss_fn(model, batch)")
+    loss_fn = as_model_loss(loss_fn) if loss_fn is not None else default_loss
     check_trainable(model)
     asked = parse_enum(Method, method, "method")
     method = _resolve_method(asked, model, batch_small)
@@ -198,7 +203,6 @@ def noise_scale(model: nn.Module, loss_fn: LossFn | None, data: Any, *, batch_sm
     device = next(p.device for p in model.parameters())
     source = BatchSource(data, seed=seed, device=device)
     source.check_size(batch_big)
-    loss_fn = loss_fn or default_loss
     notes = []
     bn = batchnorm_modules(model)
     if bn:
@@ -221,6 +225,10 @@ def noise_scale(model: nn.Module, loss_fn: LossFn | None, data: Any, *, batch_sm
         if result is None:
             result = _accumulated(model, loss_fn, source, batch_small, batch_big, steps,
                                   optimizer, ema_decay, confidence, on_step, world_size)
+    if result.steps == 0:
+        raise InvalidInputError(
+            f"all {result.skipped_steps} steps had non-finite (nan/inf) gradients, so nothing "
+            "was measured: check the loss and the model at these weights")
     if notes:
         from dataclasses import replace
 

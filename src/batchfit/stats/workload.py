@@ -8,8 +8,10 @@ The factory returns the model, its data and its loss (and optionally its optimiz
     # or {"model": ..., "data": ..., "loss_fn": ..., "optimizer": ...}
 
 ``data`` is anything :func:`batchfit.noise_scale` takes (a map-style Dataset, a DataLoader
-over one, tensors); ``loss_fn(model, batch)`` returns the batch's mean loss (None: the
-model output's ``.loss`` for dict batches). With an optimizer, ``batchfit noise`` trains
+over one, tensors); the loss is either ``loss_fn(model, batch)`` returning the batch's mean
+loss or a ``criterion(output, target)`` such as ``nn.MSELoss()`` for batches
+``(input..., target)``, told apart by its signature (:mod:`batchfit.stats.loss`); None: the
+model output's ``.loss`` for dict batches. With an optimizer, ``batchfit noise`` trains
 while it measures (the weights it started from are restored after).
 
 For the throughput sweep of ``recommend`` the workload becomes an ``nn.Module`` whose
@@ -30,6 +32,7 @@ from torch import nn
 
 from batchfit.engine.spec import TensorSpec
 from batchfit.errors import InvalidInputError, ModelSpecError
+from batchfit.stats.loss import as_model_loss
 
 
 @dataclass
@@ -90,6 +93,8 @@ def _unpack(result: Any, where: str, spec: str) -> Workload:
                              "nn.Module")
     if loss_fn is not None and not callable(loss_fn):
         raise ModelSpecError(f"{where} returned a loss_fn that is not callable")
+    if loss_fn is not None:
+        loss_fn = as_model_loss(loss_fn)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise ModelSpecError(f"{where} returned an optimizer of type {type(optimizer).__name__}")
     return Workload(spec, model, data, loss_fn, optimizer)
