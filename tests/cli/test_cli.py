@@ -597,3 +597,22 @@ def test_library_deprecation_logs_stay_off_stderr(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "register_constant" not in done.stderr
     json.loads(done.stdout)
+
+
+def test_bench_says_skipped_for_the_time_budget_not_out_of_memory(factory_file):
+    # issue 35 item 2: with a 1 s budget, batch 1 runs first (always) and its timing alone
+    # takes up to 3 s (TimingConfig.max_run_s), so 2-16 are skipped. Before, the text said
+    # "out of memory" for them and the JSON "fits": false.
+    args = ("bench", f"{factory_file}:mlp", "--input", "128", "--device", "cpu",
+            "--memory", "1GiB", "--batches", "1,2,4,8,16", "--time-budget", "1s")
+    result = invoke(*args, "--json")
+    assert result.exit_code == 0, result.output
+    points = json.loads(result.stdout)["points"]
+    assert [p["status"] for p in points] == ["measured"] + ["skipped_time_budget"] * 4
+    assert [p["fits"] for p in points] == [True, None, None, None, None]
+    assert json.loads(result.stdout)["stability"]["candidate_batch_sizes"] == [1]
+    text = invoke(*args)
+    assert text.exit_code == 0, text.output
+    flat = " ".join(text.stdout.split())
+    assert "out of memory" not in flat and flat.count("skipped: time budget") == 4
+    assert "batches 2, 4, 8, 16 not measured" in flat

@@ -749,7 +749,7 @@ def _predicted_only(predict: bool, command: str, stack: str | None, torch_versio
 
 def _point_line(point: Any) -> None:
     """One line on stderr per measured (or skipped) batch: --json mode has no progress bar."""
-    if point.fits:
+    if point.measured:
         text = (f"bench: batch {point.batch_size}: {point.samples_per_s:,.1f} samples/s "
                 f"(step {point.step_s * 1e3:,.1f} ms; {point.seconds:.1f} s)")
     else:
