@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -141,6 +142,12 @@ def test_search_json_contract(factory_file):
     failing = [t["batch_size"] for t in trials if not t["fits"]]
     # the answer ran, the batch above it did not
     assert data["max_batch_size"] in fitting and data["max_batch_size"] + 1 in failing
+    # issue 35 item 10: stderr is not a terminal here, so one plain progress line per trial
+    # (and one for the prediction before them), while stdout stays pure JSON
+    lines = progress_lines(result.stderr, "search")
+    assert len(lines) == len(trials) + 1
+    assert [int(re.search(r": batch (\d+) ", line)[1]) for line in lines[1:]] == \
+        [t["batch_size"] for t in trials]
 
 
 def test_search_exit_3_when_nothing_fits(factory_file):
@@ -568,7 +575,8 @@ def test_bench_cpu_without_memory_uses_available_memory_within_its_time_budget(f
     assert data["elapsed_s"] <= 20 + 3  # a last point may overrun its predicted time a little
     assert took < 60
     assert "this machine has available" in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("bench: batch")]
+    lines = [line for line in result.stderr.splitlines()
+             if re.match(r"batchfit bench \[ *[\d.]+ s\]: batch \d+: ", line)]
     assert len(lines) >= len(data["points"])  # each measurement (confirmations too), skips
 
 
@@ -616,3 +624,42 @@ def test_bench_says_skipped_for_the_time_budget_not_out_of_memory(factory_file):
     flat = " ".join(text.stdout.split())
     assert "out of memory" not in flat and flat.count("skipped: time budget") == 4
     assert "batches 2, 4, 8, 16 not measured" in flat
+
+
+def progress_lines(stderr: str, command: str) -> list[str]:
+    return [line for line in stderr.splitlines()
+            if re.match(rf"batchfit {command} \[ *[\d.]+ s\]: ", line)]
+
+
+def test_max_prints_a_progress_line_per_trace_when_stderr_is_not_a_terminal(factory_file):
+    # issue 35 item 10: before, a piped `max` said nothing until its answer. The JSON lists
+    # the traced batches (evaluated): a line each, after the line for resolving the model.
+    result = invoke("max", f"{factory_file}:with_spec", "--device", "cpu", "--memory",
+                    "64MiB", "--overhead", "0", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    traced = [line for line in progress_lines(result.stderr, "max") if "tracing" in line]
+    assert len(traced) == len(data["evaluated"]) >= 2
+    assert progress_lines(result.stderr, "max")[0].endswith("resolving " + f"{factory_file}:with_spec")
+
+
+def test_progress_is_a_spinner_on_a_terminal_and_lines_elsewhere(monkeypatch, capsys):
+    from rich.console import Console
+
+    from batchfit.cli import progress as progress_module
+
+    with progress_module.progress("estimate", "tracing") as status:
+        status.update("tracing at batch 2")
+    plain = capsys.readouterr().err.splitlines()
+    assert [line.split(": ", 1)[1] for line in plain] == ["tracing", "tracing at batch 2"]
+    steps = []
+    with progress_module.counted_progress("noise", "measuring", 20) as on_step:
+        for index in range(20):
+            on_step(index)
+            steps.append(index)
+    counted = capsys.readouterr().err.splitlines()  # the total, then every 2nd step of 20
+    assert len(counted) == 1 + 10 and counted[-1].endswith("step 20 of 20")
+    monkeypatch.setattr(progress_module, "_err", Console(stderr=True, force_terminal=True))
+    with progress_module.progress("estimate", "tracing") as status:
+        status.update("tracing at batch 2")
+    assert "batchfit estimate [" not in capsys.readouterr().err
