@@ -614,7 +614,7 @@ def search_cmd(
         with progress("search", f"predicting {model}'s largest batch (two traces), then "
                       f"trials on {device}") as status:
             def on_trial(trial: Any) -> None:
-                status.update(trial_text(trial))
+                status.done(trial_text(trial))
 
             result = search_max_batch(spec, inputs, config, device=text,
                                       memory_cap_bytes=cap, steps_per_trial=steps_per_trial,

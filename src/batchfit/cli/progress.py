@@ -2,10 +2,12 @@
 
 On a terminal, a rich spinner (or bar) updates in place and disappears when the work is
 done. Where stderr is not a terminal (CI, ``| tee``, a notebook's ``!``) a spinner draws
-nothing, so each update is one plain line instead, flushed at once, with the seconds since
-the command's work began::
+nothing, so progress is plain lines instead, flushed at once, with the seconds since the
+command's work began: one per finished trial, measured batch or tenth of the steps, and
+one per trace, build or layout that runs for more than :data:`START_DELAY_S` (so a
+command that stops on bad input prints its one error line alone)::
 
-    batchfit search [  41.2 s]: batch 57 fits (forked trial, 1.9 s)
+    batchfit search [  41.2 s]: batch 57 fits (trial, 1.9 s of steps)
 
 stdout is left to the answer (with ``--json``, pure JSON), whichever way progress shows.
 The commands call :func:`progress` (a description that changes per trace, trial or
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,20 +29,56 @@ from rich.console import Console
 _err = Console(stderr=True)
 
 
-class Progress:
-    """What a command reports while it works: :meth:`update` once per trace, trial or point.
+#: Plain mode: seconds a piece of work must run before the line saying it started shows.
+#: A command that stops on bad input prints its one error line alone: such an error comes
+#: while the model's library imports (timm took 1 s here), before any work this long.
+START_DELAY_S = 5.0
 
-    On a terminal it sets a spinner's text; elsewhere it writes one line to stderr.
+
+class Progress:
+    """What a command reports while it works.
+
+    :meth:`update` says what starts now (a trace, a model's build): on a terminal the
+    spinner's text at once; elsewhere a line once it has run for :data:`START_DELAY_S`
+    (none if the next update or the end comes first). :meth:`done` says what just finished
+    (a trial, a measured batch): a line at once.
     """
 
     def __init__(self, command: str, status: Any = None):
         self.command, self.status = command, status
         self.started = time.perf_counter()
+        self._lock = threading.Lock()
+        self._pending: threading.Timer | None = None
 
     def update(self, text: str) -> None:
         if self.status is not None:
             self.status.update(text)
             return
+        if START_DELAY_S <= 0:
+            self._write(text)
+            return
+        with self._lock:
+            if self._pending is not None:
+                self._pending.cancel()
+            self._pending = threading.Timer(START_DELAY_S, self._write, (text,))
+            self._pending.daemon = True
+            self._pending.start()
+
+    def done(self, text: str) -> None:
+        if self.status is not None:
+            self.status.update(text)
+            return
+        self.close()
+        self._write(text)
+
+    def close(self) -> None:
+        """Drop a start line not yet shown (the work it announced is over)."""
+        with self._lock:
+            if self._pending is not None:
+                self._pending.cancel()
+                self._pending = None
+
+    def _write(self, text: str) -> None:
         seconds = time.perf_counter() - self.started
         sys.stderr.write(f"batchfit {self.command} [{seconds:6.1f} s]: {text}\n")
         sys.stderr.flush()
@@ -64,7 +103,10 @@ def progress(command: str, description: str) -> Iterator[Progress]:
         return
     reporter = Progress(command)
     reporter.update(description)
-    yield reporter
+    try:
+        yield reporter
+    finally:
+        reporter.close()
 
 
 @contextlib.contextmanager
@@ -87,10 +129,13 @@ def counted_progress(command: str, description: str,
     def on_step(index: int) -> None:
         done = index + 1
         if done % every == 0 or done == total:
-            reporter.update(f"{description}: step {done} of {total}")
+            reporter.done(f"{description}: step {done} of {total}")
 
     reporter.update(f"{description}: {total} steps")
-    yield on_step
+    try:
+        yield on_step
+    finally:
+        reporter.close()
 
 
 def trial_text(trial: Any) -> str:
@@ -117,7 +162,10 @@ def bench_progress(command: str) -> Iterator[tuple[Callable[[int], None] | None,
     if not on_terminal():
         reporter = Progress(command)
         reporter.update("predicting the largest batch, then measuring")
-        yield None, lambda point: reporter.update(point_text(point))
+        try:
+            yield None, lambda point: reporter.done(point_text(point))
+        finally:
+            reporter.close()
         return
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
     from rich.progress import Progress as Bar
