@@ -440,15 +440,15 @@ def test_stack_sets_the_context_in_json(factory_file):
     new = invoke("max", f"{factory_file}:with_spec", "--gpu", "T4", "--max-batch-limit", "64",
                  "--json")
     assert old.exit_code == 0 and new.exit_code == 0, old.output + new.output
-    assert json.loads(old.output)["device"]["context_bytes"] == 1343 * MIB
-    assert json.loads(new.output)["device"]["context_bytes"] == 512 * MIB
-    assert json.loads(old.output)["stack"]["torch_version"] == "1.12"
+    assert json.loads(old.stdout)["device"]["context_bytes"] == 1343 * MIB
+    assert json.loads(new.stdout)["device"]["context_bytes"] == 512 * MIB
+    assert json.loads(old.stdout)["stack"]["torch_version"] == "1.12"
     # on an RTX 3090 (8.6) the eager context is that card's measurement (1,687 MiB with
     # a 2 MiB tensor, pytorch/pytorch#55277), in the device and the stack alike
     ampere = invoke("max", f"{factory_file}:with_spec", "--gpu", "RTX 3090", "--stack",
                     "torch1.12+cu113", "--max-batch-limit", "64", "--json")
     assert ampere.exit_code == 0, ampere.output
-    data = json.loads(ampere.output)
+    data = json.loads(ampere.stdout)
     assert data["device"]["context_bytes"] == data["stack"]["context_bytes"] == 1685 * MIB
 
 
