@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -141,6 +142,12 @@ def test_search_json_contract(factory_file):
     failing = [t["batch_size"] for t in trials if not t["fits"]]
     # the answer ran, the batch above it did not
     assert data["max_batch_size"] in fitting and data["max_batch_size"] + 1 in failing
+    # issue 35 item 10: stderr is not a terminal here, so one plain progress line per trial
+    # (and one for the prediction before them), while stdout stays pure JSON
+    lines = progress_lines(result.stderr, "search")
+    assert len(lines) == len(trials) + 1
+    assert [int(re.search(r": batch (\d+) ", line)[1]) for line in lines[1:]] == \
+        [t["batch_size"] for t in trials]
 
 
 def test_search_exit_3_when_nothing_fits(factory_file):
@@ -434,15 +441,15 @@ def test_stack_sets_the_context_in_json(factory_file):
     new = invoke("max", f"{factory_file}:with_spec", "--gpu", "T4", "--max-batch-limit", "64",
                  "--json")
     assert old.exit_code == 0 and new.exit_code == 0, old.output + new.output
-    assert json.loads(old.output)["device"]["context_bytes"] == 1343 * MIB
-    assert json.loads(new.output)["device"]["context_bytes"] == 512 * MIB
-    assert json.loads(old.output)["stack"]["torch_version"] == "1.12"
+    assert json.loads(old.stdout)["device"]["context_bytes"] == 1343 * MIB
+    assert json.loads(new.stdout)["device"]["context_bytes"] == 512 * MIB
+    assert json.loads(old.stdout)["stack"]["torch_version"] == "1.12"
     # on an RTX 3090 (8.6) the eager context is that card's measurement (1,687 MiB with
     # a 2 MiB tensor, pytorch/pytorch#55277), in the device and the stack alike
     ampere = invoke("max", f"{factory_file}:with_spec", "--gpu", "RTX 3090", "--stack",
                     "torch1.12+cu113", "--max-batch-limit", "64", "--json")
     assert ampere.exit_code == 0, ampere.output
-    data = json.loads(ampere.output)
+    data = json.loads(ampere.stdout)
     assert data["device"]["context_bytes"] == data["stack"]["context_bytes"] == 1685 * MIB
 
 
@@ -569,7 +576,8 @@ def test_bench_cpu_without_memory_uses_available_memory_within_its_time_budget(f
     assert data["elapsed_s"] <= 20 + 3  # a last point may overrun its predicted time a little
     assert took < 60
     assert "this machine has available" in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("bench: batch")]
+    lines = [line for line in result.stderr.splitlines()
+             if re.match(r"batchfit bench \[ *[\d.]+ s\]: batch \d+: ", line)]
     assert len(lines) >= len(data["points"])  # each measurement (confirmations too), skips
 
 
@@ -598,3 +606,74 @@ def test_library_deprecation_logs_stay_off_stderr(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "register_constant" not in done.stderr
     json.loads(done.stdout)
+
+
+def test_bench_says_skipped_for_the_time_budget_not_out_of_memory(factory_file):
+    # issue 35 item 2: with a 1 s budget, batch 1 runs first (always) and its timing alone
+    # takes up to 3 s (TimingConfig.max_run_s), so 2-16 are skipped. Before, the text said
+    # "out of memory" for them and the JSON "fits": false.
+    args = ("bench", f"{factory_file}:mlp", "--input", "128", "--device", "cpu",
+            "--memory", "1GiB", "--batches", "1,2,4,8,16", "--time-budget", "1s")
+    result = invoke(*args, "--json")
+    assert result.exit_code == 0, result.output
+    points = json.loads(result.stdout)["points"]
+    assert [p["status"] for p in points] == ["measured"] + ["skipped_time_budget"] * 4
+    assert [p["fits"] for p in points] == [True, None, None, None, None]
+    assert json.loads(result.stdout)["stability"]["candidate_batch_sizes"] == [1]
+    text = invoke(*args)
+    assert text.exit_code == 0, text.output
+    flat = " ".join(text.stdout.split())
+    assert "out of memory" not in flat and flat.count("skipped: time budget") == 4
+    assert "batches 2, 4, 8, 16 not measured" in flat
+
+
+def progress_lines(stderr: str, command: str) -> list[str]:
+    return [line for line in stderr.splitlines()
+            if re.match(rf"batchfit {command} \[ *[\d.]+ s\]: ", line)]
+
+
+def test_max_prints_a_progress_line_per_trace_when_stderr_is_not_a_terminal(factory_file,
+                                                                            monkeypatch):
+    # issue 35 item 10: before, a piped `max` said nothing until its answer. The JSON lists
+    # the traced batches (evaluated): a line each, after the line for resolving the model.
+    # (A start line shows once its work has run START_DELAY_S; this MLP's traces are
+    # faster than that, so the delay is 0 here.)
+    from batchfit.cli import progress as progress_module
+
+    monkeypatch.setattr(progress_module, "START_DELAY_S", 0)
+    result = invoke("max", f"{factory_file}:with_spec", "--device", "cpu", "--memory",
+                    "64MiB", "--overhead", "0", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    traced = [line for line in progress_lines(result.stderr, "max") if "tracing" in line]
+    assert len(traced) == len(data["evaluated"]) >= 2
+    assert progress_lines(result.stderr, "max")[0].endswith("resolving " + f"{factory_file}:with_spec")
+
+
+def test_progress_is_a_spinner_on_a_terminal_and_lines_elsewhere(monkeypatch, capsys):
+    from rich.console import Console
+
+    import time
+
+    from batchfit.cli import progress as progress_module
+
+    monkeypatch.setattr(progress_module, "START_DELAY_S", 0.05)
+    with progress_module.progress("estimate", "tracing") as status:
+        pass  # over at once: a bad input's error line would stand alone
+    assert capsys.readouterr().err == ""
+    with progress_module.progress("estimate", "tracing") as status:
+        time.sleep(0.3)  # ran past the delay: shown
+        status.done("traced batch 2")
+    plain = capsys.readouterr().err.splitlines()
+    assert [line.split(": ", 1)[1] for line in plain] == ["tracing", "traced batch 2"]
+    steps = []
+    with progress_module.counted_progress("noise", "measuring", 20) as on_step:
+        for index in range(20):
+            on_step(index)
+            steps.append(index)
+    counted = capsys.readouterr().err.splitlines()  # every 2nd step of 20 (the start line
+    assert len(counted) == 10 and counted[-1].endswith("step 20 of 20")  # gave way at once)
+    monkeypatch.setattr(progress_module, "_err", Console(stderr=True, force_terminal=True))
+    with progress_module.progress("estimate", "tracing") as status:
+        status.update("tracing at batch 2")
+    assert "batchfit estimate [" not in capsys.readouterr().err

@@ -123,7 +123,7 @@ def test_cli_inference_mode():
                                      "--gpu", "A100 80GB", "--mode", "infer", "--precision",
                                      "amp-fp16", "--torch-version", "2.11", "--json", *flags])
         assert result.exit_code == 0, result.output
-        return json.loads(result.output)["by_category"].get("autocast_copies", 0)
+        return json.loads(result.stdout)["by_category"].get("autocast_copies", 0)
 
     # ViT-Tiny (width 192, MLP 768, 12 blocks) peaks in the last block's MLP, after its fc1
     # and before its fc2. Under no_grad every fp16 copy made so far is alive there, each

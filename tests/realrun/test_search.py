@@ -385,3 +385,44 @@ def test_optimizer_options_rebuild_adamw():
     rebuilt = options["optimizer"](params, **options["optimizer_kwargs"])
     assert type(rebuilt) is torch.optim.AdamW
     assert rebuilt.defaults["lr"] == 3e-4 and rebuilt.defaults["weight_decay"] == 0.1
+
+
+class _WavePool:
+    """FreshPool.run's contract on a fake device (``fits(batch)``): ``count`` runs in waves
+    of ``parallel`` interpreters side by side, none after a wave with a failure when
+    ``until_failure``; it counts the interpreters and the waves."""
+
+    def __init__(self, fits, parallel: int = 3):
+        self.fits, self.parallel = fits, parallel
+        self.interpreters = self.waves = 0
+
+    def run(self, batch_size: int, count: int, *, until_failure: bool = False):
+        trials = []
+        while len(trials) < count:
+            wave = min(self.parallel, count - len(trials))
+            self.interpreters, self.waves = self.interpreters + wave, self.waves + 1
+            trials += [_fake_trial(batch_size, self.fits(batch_size)) for _ in range(wave)]
+            if until_failure and not all(t.fits for t in trials):
+                break
+        return trials
+
+
+def test_settling_tries_a_batch_in_one_interpreter_before_the_rest():
+    # issue 35 item 10: a small CNN under a 1 GiB cap: forked answer 500, the plain
+    # processes' boundary 469 (seen here). Each batch the settling tried ran a wave of 3
+    # interpreters side by side, so each of the 9 batches that failed cost 3: 500, 499, 497,
+    # 493, 485 (galloping down), 469 (holds: 3), 477, 473, 471, 470 (bisecting): 30.
+    # Now one interpreter goes first and the other two only if it fitted: 9 failures of
+    # one run, 469's 1 + 2, and 470's two more runs for the boundary's spread: 14.
+    from batchfit.realrun.fresh import settle_boundary
+    from batchfit.realrun.search import _CpuSearch
+
+    search = object.__new__(_CpuSearch)
+    search.fresh = _WavePool(lambda b: b <= 469)
+    answer, boundary = settle_boundary(500, search.confirm, runs=3)
+    assert (answer, boundary) == (469, ((469, 3, 3), (470, 0, 3)))  # the same answer
+    assert search.fresh.interpreters == 14
+    # a batch that holds still runs its other runs side by side (one wave, not two)
+    search.fresh = _WavePool(lambda b: True)
+    assert [t.fits for t in search.confirm(8, 3, True)] == [True] * 3
+    assert search.fresh.waves == 2

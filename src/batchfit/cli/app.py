@@ -23,6 +23,7 @@ from rich.console import Console
 
 from batchfit._gc import freeze_after_imports
 from batchfit.cli.interrupt import exit_on_interrupt
+from batchfit.cli.progress import bench_progress, progress, trial_text
 from batchfit.cli.target import ATTN as _ATTN
 from batchfit.cli.target import check_attn, chosen, print_notes, resolve_target
 from batchfit.engine.spec import (
@@ -142,11 +143,6 @@ def _errors(debug: bool, json_head: dict[str, Any] | None = None) -> Iterator[No
         raise typer.Exit(1) from None
 
 
-def _progress(enabled: bool, description: str):
-    """A rich status spinner on stderr for anything slower than a blink."""
-    if not enabled:
-        return contextlib.nullcontext(None)
-    return err.status(description)
 
 
 def _stack_settings(stack: str | None, torch_version: str | None, cuda_version: str | None,
@@ -344,7 +340,7 @@ def estimate_cmd(
         profile, _ = resolve_target(gpu, device, memory, overhead, need_budget=False)
         if "stack" in settings:
             profile.for_stack(settings["stack"])
-        with _progress(not as_json, f"tracing {model} at batch {batch_size}..."):
+        with progress("estimate", f"tracing {model} at batch {batch_size}"):
             llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn,
                           transformers_version)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
@@ -428,7 +424,7 @@ def max_cmd(
             profile.for_stack(settings["stack"])
         if not profile.is_cuda and memory_bytes is None:
             raise InvalidInputError("--device cpu needs --memory SIZE as the budget")
-        with _progress(not as_json, f"resolving {model}...") as status:
+        with progress("max", f"resolving {model}") as status:
             llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn,
                           transformers_version)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
@@ -437,8 +433,7 @@ def max_cmd(
             check_attn(llm.attn, config, profile)
             notes, said = chosen(gpu, spec)
             if not profile.is_cuda and overhead is None:
-                if status is not None:
-                    status.update(f"measuring the CPU runtime's overhead: one real step of {model}...")
+                status.update(f"measuring the CPU runtime's overhead: one real step of {model}")
                 profile = profile.with_overheads(
                     context_bytes=_measure_cpu_overhead(spec, inputs, config))
             if batch_size is not None:
@@ -449,8 +444,7 @@ def max_cmd(
             from batchfit.answers.maxbatch import max_batch_size
 
             def on_trace(batch: int) -> None:
-                if status is not None:
-                    status.update(f"tracing {model} at batch {batch}...")
+                status.update(f"tracing {model} at batch {batch}")
 
             # LLM fine-tuning: the weights fill most of the card and the answer is small;
             # tracing batches 1 and 2 first makes them the confirming pair of an answer of
@@ -515,8 +509,7 @@ def _max_seq_len(head: dict[str, Any], spec: Any, inputs: Any, config: Any, prof
             "drop --batch-size to find the largest batch")
 
     def on_trace(length: int) -> None:
-        if status is not None:
-            status.update(f"tracing {model} at sequence length {length}...")
+        status.update(f"tracing {model} at sequence length {length}")
 
     limit = _context_length(spec) or 131072
     result = max_seq_len(spec.factory, inputs, batch_size, config, device=profile,
@@ -581,11 +574,10 @@ def search_cmd(
                                       inference_mode=inference_mode)
         from batchfit.realrun.search import search_max_batch
 
-        with _progress(not as_json, f"predicting, then running {model} on {device}...") as status:
+        with progress("search", f"predicting {model}'s largest batch (two traces), then "
+                      f"trials on {device}") as status:
             def on_trial(trial: Any) -> None:
-                if status is not None:
-                    verdict = "fits" if trial.fits else "out of memory"
-                    status.update(f"batch {trial.batch_size} {verdict}; next trial...")
+                status.done(trial_text(trial))
 
             result = search_max_batch(spec, inputs, config, device=text,
                                       memory_cap_bytes=cap, steps_per_trial=steps_per_trial,
@@ -663,18 +655,18 @@ def bench_cmd(
         if predict:
             from batchfit.speed.roofline import predict_throughput
 
-            with _progress(not as_json, f"predicting {model} on {gpu}..."):
+            with progress("bench", f"predicting {model} on {gpu}"):
                 result = predict_throughput(spec.factory, inputs, config, gpu=card,
                                             batches=batch_list, dataset_size=dataset_size)
         else:
             from batchfit.speed.bench import bench
 
-            with _measure_progress(not as_json) as on_measure:
+            with bench_progress("bench") as (on_measure, on_point):
                 result = bench(spec.factory, inputs, config, device=device or "cpu",
                                memory_bytes=memory_bytes, batches=batch_list,
                                dataset_size=dataset_size, alignment=alignment,
                                time_budget_s=budget_s, on_measure=on_measure,
-                               on_point=_point_line if as_json else None)
+                               on_point=on_point)
             if result.memory_source == "available":
                 from batchfit.cli.report import format_bytes
 
@@ -710,17 +702,6 @@ def _predicted_only(predict: bool, command: str, stack: str | None, torch_versio
             f"measured {command} runs with this process's torch and settings)")
 
 
-def _point_line(point: Any) -> None:
-    """One line on stderr per measured (or skipped) batch: --json mode has no progress bar."""
-    if point.fits:
-        text = (f"bench: batch {point.batch_size}: {point.samples_per_s:,.1f} samples/s "
-                f"(step {point.step_s * 1e3:,.1f} ms; {point.seconds:.1f} s)")
-    else:
-        text = f"bench: batch {point.batch_size}: {point.error}"
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
-
-
 def _predicted_card(gpu: str, memory_bytes: int | None, stack: Any = None) -> Any:
     """The catalog card ``bench --predict`` runs on; with ``--memory``, its architecture with
     that memory. Checked against the context (the stack's, if given) and workspaces as
@@ -746,24 +727,6 @@ def _parse_batches(text: str) -> Any:
         raise InvalidInputError(
             f"bad --batches {text!r}: use auto or a comma-separated list like 16,32,64")
     return sorted(set(values))
-
-
-@contextlib.contextmanager
-def _measure_progress(enabled: bool) -> Iterator[Any]:
-    """A rich progress bar over measured batch sizes (at most 8 for the knee)."""
-    if not enabled:
-        yield None
-        return
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as progress:
-        task = progress.add_task("measuring", total=8)
-
-        def on_measure(batch: int) -> None:
-            progress.update(task, advance=1, description=f"measuring batch {batch}")
-
-        yield on_measure
 
 
 @app.command("gpus")

@@ -3,10 +3,8 @@ the batch that reaches a target loss soonest (registered on the app when importe
 
 from __future__ import annotations
 
-import contextlib
 import re
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import typer
@@ -28,12 +26,11 @@ from batchfit.cli.app import (
     _parse_batches,
     _predicted_card,
     _predicted_only,
-    _progress,
     _stack_settings,
     app,
-    err,
     out,
 )
+from batchfit.cli.progress import bench_progress, counted_progress, progress
 from batchfit.engine.spec import parse_size
 from batchfit.errors import InvalidInputError
 
@@ -69,19 +66,6 @@ def _torch_device(device: str | None) -> Any:
     raise InvalidInputError(f"unknown device {device!r}: use cpu or cuda:N (e.g. cuda:0)")
 
 
-@contextlib.contextmanager
-def _step_progress(enabled: bool, total: int) -> Iterator[Any]:
-    if not enabled:
-        yield None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    with Progress(TextColumn("measuring the noise scale"), BarColumn(), MofNCompleteColumn(),
-                  console=err, transient=True) as progress:
-        task = progress.add_task("steps", total=total)
-        yield lambda step: progress.update(task, completed=step + 1)
-
-
 def _load(workload: str, device: str | None, model_kwargs: list[str] | None) -> Any:
     from batchfit.models.resolve import parse_model_kwargs
     from batchfit.stats.workload import load_workload
@@ -94,7 +78,7 @@ def _load(workload: str, device: str | None, model_kwargs: list[str] | None) -> 
 
 
 def _measure(loaded: Any, batch_small: int, batch_big: int, steps: int, method: str,
-             train: bool | None, seed: int, show_progress: bool) -> Any:
+             train: bool | None, seed: int) -> Any:
     from batchfit.stats.measure import noise_scale
     from batchfit.stats.monitor import NoiseScaleWarning
 
@@ -102,7 +86,8 @@ def _measure(loaded: Any, batch_small: int, batch_big: int, steps: int, method: 
         raise InvalidInputError(
             "--train needs an optimizer: return (model, data, loss_fn, optimizer) from the factory")
     optimizer = loaded.optimizer if (train is None or train) else None
-    with _step_progress(show_progress, steps) as on_step, warnings.catch_warnings():
+    with counted_progress("noise", "measuring the noise scale", steps) as on_step, \
+            warnings.catch_warnings():
         warnings.simplefilter("ignore", NoiseScaleWarning)  # shown as notes
         return noise_scale(loaded.model, loaded.loss_fn, loaded.data, batch_small=batch_small,
                            batch_big=batch_big, steps=steps, method=method,
@@ -132,8 +117,7 @@ def noise_cmd(
     with _errors(debug):
         _check_plot(plot)
         loaded = _load(workload, device, model_kwargs)
-        noise = _measure(loaded, batch_small, batch_big, steps, method, train, seed,
-                         not as_json)
+        noise = _measure(loaded, batch_small, batch_big, steps, method, train, seed)
         if plot:
             from batchfit.cli.noise_report import plot_noise
 
@@ -161,7 +145,7 @@ def _given_noise(value: float, batch_small: int, batch_big: int) -> Any:
 
 def _throughput(loaded: Any, device: str | None, memory: str | None, gpu: str | None,
                 predict: bool, batches: str, precision: str, optimizer: str | None,
-                show_progress: bool, settings: dict[str, Any] | None = None) -> tuple[Any, bool]:
+                settings: dict[str, Any] | None = None) -> tuple[Any, bool]:
     """The step-time curve of the workload's own loss: measured (bench) or predicted
     (``settings``: the stack options' TrainConfig fields, for a predicted card)."""
     from batchfit.engine.spec import OptimizerName, Precision, TrainConfig, parse_enum
@@ -190,15 +174,15 @@ def _throughput(loaded: Any, device: str | None, memory: str | None, gpu: str | 
         from batchfit.speed.roofline import predict_throughput
 
         card = _predicted_card(gpu, memory_bytes, (settings or {}).get("stack"))
-        with _progress(show_progress, f"predicting step times on {gpu}..."):
+        with progress("recommend", f"predicting step times on {gpu}"):
             return predict_throughput(step_module, spec, config, gpu=card, batches=batch_list,
                                       max_batch_limit=limit), True
-    from batchfit.cli.app import _measure_progress
     from batchfit.speed.bench import bench
 
-    with _measure_progress(show_progress) as on_measure:
+    with bench_progress("recommend") as (on_measure, on_point):
         return bench(step_module, spec, config, device=device or "cpu", memory_bytes=memory_bytes,
-                     batches=batch_list, max_batch_limit=limit, on_measure=on_measure), False
+                     batches=batch_list, max_batch_limit=limit, on_measure=on_measure,
+                     on_point=on_point), False
 
 
 @app.command("recommend")
@@ -249,10 +233,9 @@ def recommend_cmd(
         if noise_scale_value is not None:
             noise = _given_noise(noise_scale_value, batch_small, batch_big)
         else:
-            noise = _measure(loaded, batch_small, batch_big, steps, method, train, seed,
-                             not as_json)
+            noise = _measure(loaded, batch_small, batch_big, steps, method, train, seed)
         throughput, predicted = _throughput(loaded, device, memory, gpu, predict, batches,
-                                            precision, optimizer, not as_json, settings)
+                                            precision, optimizer, settings)
         from batchfit.stats.recommend import curve_points, recommend_batch_size
 
         points, limit = curve_points(throughput)

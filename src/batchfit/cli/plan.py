@@ -24,12 +24,12 @@ from batchfit.cli.app import (
     TorchVerOpt,
     _emit_json,
     _errors,
-    _progress,
     _setup,
     _stack_settings,
     app,
     out,
 )
+from batchfit.cli.progress import progress
 from batchfit.errors import InvalidInputError
 
 
@@ -62,14 +62,13 @@ def plan_cmd(
     with _errors(debug):
         settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
                                    False, alloc_conf)
-        with _progress(not as_json, f"resolving {model}...") as status:
+        with progress("plan", f"resolving {model}") as status:
             spec, inputs, config = _setup(model, input_shape, seq_len, "train", optimizer,
                                           precision, False, False, model_kwargs, **settings)
             from batchfit.speed.plan import plan
 
             def on_layout(label: str) -> None:
-                if status is not None:
-                    status.update(f"{model}: {label}...")
+                status.update(f"{model}: {label}")
 
             result = plan(spec.factory, inputs, config, gpus=gpus, global_batch=global_batch,
                           nodes=nodes,

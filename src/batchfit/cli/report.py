@@ -293,25 +293,40 @@ def render_gpus(gpus: Sequence[Any]) -> Table:
     return table
 
 
+#: How a batch that was not measured reads in the bench table (by ``PointStatus`` value).
+_UNMEASURED = {"out_of_memory": "out of memory", "predicted_not_to_fit": "predicted not to fit",
+               "skipped_time_budget": "skipped: time budget"}
+
+
 def render_bench(result: Any, model: str) -> Group:
-    """Throughput per batch size, the knee and the recommendation."""
+    """Throughput per batch size with its timing spread, the knee, the recommendation and
+    whether it stands out of the noise."""
     predicted = result.to_dict().get("predicted", False)
     table = Table(title=f"{'Predicted' if predicted else 'Measured'} throughput of {model}",
                   title_justify="left")
-    for column in ("batch", "samples/s", "step", "memory"):
+    for column in ("batch", "samples/s", "step", "IQR", "memory"):
         table.add_column(column, justify="right")
     for point in result.points:
         data = point.to_dict()
-        if data.get("fits", True) is False:
-            table.add_row(str(data["batch_size"]), "out of memory", "-", "-")
+        status = data.get("status", "measured")
+        if status != "measured":
+            table.add_row(str(data["batch_size"]), _UNMEASURED.get(status, status), "-", "-",
+                          format_bytes(data.get("peak_bytes")))
             continue
         mark = " ◀" if data["batch_size"] == result.recommended_batch_size else ""
+        spread = point.spread if hasattr(point, "spread") else None
         table.add_row(f"{data['batch_size']}{mark}", f"{data['samples_per_s']:,.1f}",
-                      f"{data['step_s'] * 1e3:,.1f} ms", format_bytes(data.get("peak_bytes")))
+                      f"{data['step_s'] * 1e3:,.1f} ms",
+                      "-" if spread is None else f"{spread:.1%}",
+                      format_bytes(data.get("peak_bytes")))
+    largest = "largest that fits" if predicted else "largest predicted to fit"
     lines: list[Any] = [table, Text(
         f"knee {result.knee_batch_size}, best {result.best_batch_size} "
         f"({result.best_samples_per_s:,.1f} samples/s), recommended "
-        f"{result.recommended_batch_size}; largest that fits {result.max_batch_size}")]
+        f"{result.recommended_batch_size}; {largest} {result.max_batch_size}")]
+    stability = getattr(result, "stability", None)
+    if stability is not None:
+        lines.append(Text(stability.text, style="bold yellow" if stability.within_noise else ""))
     if getattr(result, "epoch_s", None):
         lines.append(Text(f"epoch of {result.dataset_size:,} samples: {result.epoch_s:,.1f} s"))
     if getattr(result, "note", ""):

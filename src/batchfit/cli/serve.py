@@ -7,7 +7,8 @@ from typing import Any, Optional
 
 import typer
 
-from batchfit.cli.app import DebugOpt, JsonOpt, KwargsOpt, _emit_json, _errors, _progress, app, out
+from batchfit.cli.app import DebugOpt, JsonOpt, KwargsOpt, _emit_json, _errors, app, out
+from batchfit.cli.progress import progress
 from batchfit.engine.spec import parse_size
 
 
@@ -50,7 +51,7 @@ def serve_cmd(
         from batchfit.answers.serve import serve_capacity
         from batchfit.models.resolve import parse_model_kwargs
 
-        with _progress(not as_json, f"tracing {model}'s profile forward on {gpu}..."):
+        with progress("serve", f"tracing {model}'s profile forward on {gpu}"):
             result = serve_capacity(
                 model, device=_serve_gpu(gpu), engine=engine, max_model_len=max_model_len,
                 gpu_memory_utilization=utilization, dtype=dtype, kv_dtype=kv_dtype,

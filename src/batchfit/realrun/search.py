@@ -610,8 +610,20 @@ class _CpuSearch(_Search):
             self.server.close()
 
     def confirm(self, batch_size: int, count: int, until_failure: bool) -> list[Trial]:
-        """Runs in exec'd fresh interpreters: the user's process (:mod:`batchfit.realrun.fresh`)."""
-        return self.fresh.run(batch_size, count, until_failure=until_failure)
+        """Runs in exec'd fresh interpreters: the user's process (:mod:`batchfit.realrun.fresh`).
+
+        Until a failure, one interpreter goes first and the rest (at once when memory
+        allows) only if it fitted: one failure is enough to reject a batch, and most
+        batches the settling tries do not hold (it gallops and bisects down to the
+        answer), so a batch that fails costs one interpreter, not a wave of ``count``
+        run side by side on the same cores. The next run's interpreters are started ahead
+        (:meth:`FreshPool.start`), so the sequence costs no extra start-up."""
+        if not until_failure or count == 1:
+            return self.fresh.run(batch_size, count, until_failure=until_failure)
+        first = self.fresh.run(batch_size, 1)
+        if not first[0].fits:
+            return first
+        return first + self.fresh.run(batch_size, count - 1, until_failure=True)
 
     def start_confirming(self, runs: int) -> None:
         """All of a batch's ``runs`` at once when memory allows (an interpreter's start,

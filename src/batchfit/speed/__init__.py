@@ -1,6 +1,7 @@
 """Speed: which batch runs fastest (layer 5).
 
-Owns the measured sweep (:mod:`~batchfit.speed.bench`) with its torch-free decisions
+Owns the measured sweep (:mod:`~batchfit.speed.bench`, its results in
+:mod:`~batchfit.speed.bench_result`) with its torch-free decisions
 (:mod:`~batchfit.speed.knee`: knee, batch grid, the next batch to measure, alignment)
 and how one step is timed (:mod:`~batchfit.speed.timing`); and the prediction of step
 time without the device: the roofline (:mod:`~batchfit.speed.roofline`) over the traced

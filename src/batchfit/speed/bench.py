@@ -38,7 +38,13 @@ CPU processes up to twice as slowly per step; see ``_freeze_learning_rate``).
 
 Safety. No batch predicted (by a trace) not to fit the budget is ever run. If a
 batch runs out of memory anyway, the sweep frees what it can, marks the point
-``fits=False`` and does not try larger batches. The model's parameters,
+``out_of_memory`` and does not try larger batches. A batch skipped for the time budget
+is its own state (``skipped_time_budget``, ``fits`` None): it says nothing about memory.
+
+Noise. Each point keeps the span of its step times (the interquartile interval of each
+measurement, joined over repeats); :func:`~batchfit.speed.knee.knee_stability` says which
+measured batches a rerun could recommend, and the result says when the recommendation is
+within noise of others. The model's parameters,
 buffers, gradients, train/eval flags and the RNG states are restored bit for
 bit when the sweep ends (a factory-built model is simply discarded).
 
@@ -70,17 +76,25 @@ from typing import Any
 
 from batchfit.engine.spec import Mode, TrainConfig, make_config
 from batchfit.errors import DoesNotFitError, InvalidInputError, ModelSpecError
+from batchfit.speed.bench_result import (
+    AlignmentResult,
+    BenchResult,
+    PointStatus,
+    ThroughputPoint,
+    _find_point,
+)
 from batchfit.speed.knee import (
     DEFAULT_MAX_POINTS,
     DEFAULT_TOLERANCE,
-    AlignmentVerdict,
     _check_tolerance,
     _peak_batches,
     alignment_candidates,
+    batch_grid,
     deciding_batches,
     epoch_seconds,
     find_knee,
     judge_alignment,
+    knee_stability,
     next_auto_batch,
 )
 from batchfit.speed.timing import (
@@ -100,146 +114,6 @@ DEFAULT_MAX_BATCH_LIMIT = 1 << 16
 #: Seconds ``bench`` may take by default: enough for 8 points of a model whose largest
 #: step takes a few seconds; an inference sweep on a CPU with 8 GiB once ran past 10 minutes.
 DEFAULT_TIME_BUDGET_S = 120.0
-
-
-
-# -- results -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ThroughputPoint:
-    """One batch size, measured (or not run, or out of memory).
-
-    Attributes:
-        batch_size: the batch size.
-        fits: False when the step ran out of memory (``error`` says how) or was
-            predicted not to fit (then it was never run).
-        step_s: median seconds per steady-state step (None unless it ran); of the
-            fastest measurement when the batch was measured more than once.
-        step_iqr_s: interquartile range of the step time.
-        samples_per_s: ``batch_size / step_s``.
-        peak_bytes: predicted device bytes of the step (from a trace).
-        measured_peak_bytes: ``torch.cuda.max_memory_reserved`` on CUDA, else None.
-        repeats: timed blocks behind the median; ``steps``: timed steps in all.
-        error: the first line of the out-of-memory error, if any.
-        seconds: wall time spent on this point (building the batch, warm-up, timing).
-    """
-
-    batch_size: int
-    fits: bool
-    step_s: float | None
-    step_iqr_s: float | None
-    samples_per_s: float | None
-    peak_bytes: int | None
-    measured_peak_bytes: int | None = None
-    repeats: int = 0
-    steps: int = 0
-    error: str = ""
-    seconds: float = 0.0
-
-    @property
-    def spread(self) -> float | None:
-        """IQR / median of the step time."""
-        if not self.step_s or self.step_iqr_s is None:
-            return None
-        return self.step_iqr_s / self.step_s
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, "fits": self.fits, "step_s": self.step_s,
-                "step_iqr_s": self.step_iqr_s, "samples_per_s": self.samples_per_s,
-                "peak_bytes": self.peak_bytes, "measured_peak_bytes": self.measured_peak_bytes,
-                "repeats": self.repeats, "steps": self.steps, "error": self.error,
-                "seconds": self.seconds}
-
-
-
-@dataclass(frozen=True)
-class AlignmentResult:
-    """The alignment analysis: interleaved measurements around the knee, and the verdict."""
-
-    points: tuple[ThroughputPoint, ...]
-    verdict: AlignmentVerdict
-    noise: float  #: median IQR / median of the candidates' step times
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"points": [p.to_dict() for p in self.points], "noise": self.noise,
-                **self.verdict.to_dict()}
-
-
-@dataclass(frozen=True)
-class BenchResult:
-    """A measured throughput sweep.
-
-    Attributes:
-        points: every batch size tried, ascending.
-        knee_batch_size, best_batch_size, best_samples_per_s: see :func:`find_knee`.
-        recommended_batch_size: the knee, or the fastest aligned neighbour of it.
-        max_batch_size: the largest batch predicted to fit (training or inference).
-        memory_bytes: the device memory (or CPU budget) the prediction used.
-        memory_left_bytes: ``memory_bytes`` minus the predicted peak at the recommended batch.
-        epoch_s: seconds per epoch of ``dataset_size`` samples at the recommended batch.
-        elapsed_s: wall time of the whole call; ``measure_s``: of the measured steps alone.
-        time_budget_s: the time budget the sweep kept to (None: none).
-        memory_source: where ``memory_bytes`` came from: ``given``, ``device`` (the card's)
-            or ``available`` (the CPU's available memory, when no budget was given).
-        note: what bounded the sweep beyond memory (the time budget), and the solver's note.
-    """
-
-    points: tuple[ThroughputPoint, ...]
-    knee_batch_size: int
-    best_batch_size: int
-    best_samples_per_s: float
-    recommended_batch_size: int
-    max_batch_size: int
-    memory_bytes: int
-    memory_left_bytes: int | None
-    mode: Mode
-    device: Any  # DeviceProfile
-    torch_device: str
-    tolerance: float
-    timing: TimingConfig
-    num_threads: int
-    dataset_size: int | None = None
-    epoch_s: float | None = None
-    alignment: AlignmentResult | None = None
-    elapsed_s: float = 0.0
-    measure_s: float = 0.0
-    note: str = ""
-    time_budget_s: float | None = None
-    memory_source: str = "given"
-
-    def point(self, batch_size: int) -> ThroughputPoint | None:
-        """The measurement of ``batch_size`` that fit (the alignment analysis's, if any)."""
-        return _find_point(batch_size, self.points, self.alignment)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "points": [p.to_dict() for p in self.points],
-            "knee_batch_size": self.knee_batch_size,
-            "best_batch_size": self.best_batch_size,
-            "best_samples_per_s": self.best_samples_per_s,
-            "recommended_batch_size": self.recommended_batch_size,
-            "max_batch_size": self.max_batch_size,
-            "memory_bytes": self.memory_bytes,
-            "memory_left_bytes": self.memory_left_bytes,
-            "mode": self.mode.value,
-            "device": {"torch_device": self.torch_device, **self.device.to_dict()},
-            "tolerance": self.tolerance,
-            "timing": self.timing.to_dict(),
-            "num_threads": self.num_threads,
-            "dataset_size": self.dataset_size,
-            "epoch_s": self.epoch_s,
-            "alignment": self.alignment.to_dict() if self.alignment else None,
-            "elapsed_s": self.elapsed_s,
-            "measure_s": self.measure_s,
-            "note": self.note,
-            "time_budget_s": self.time_budget_s,
-            "memory_source": self.memory_source,
-        }
-
-
-
-
 
 
 # -- running real steps ---------------------------------------------------------------------
@@ -286,7 +160,6 @@ class _Sweep:
     deadline: float | None = None  # time.perf_counter() by which measuring must be done
     on_point: Callable[[ThroughputPoint], None] | None = None
     step_s: dict[int, float] = field(default_factory=dict)  # measured, by batch size
-    over_time: set[int] = field(default_factory=set)  # batches not run for the time budget
 
     def open(self) -> None:
         """Build (a factory) or prepare (a module) the real model on the device."""
@@ -425,19 +298,20 @@ class _Sweep:
 
     def measure(self, batch_size: int) -> ThroughputPoint:
         """Time ``batch_size`` (never run if predicted not to fit, or to take past the time
-        budget; OOM recovered and marked)."""
-        peak = self.predicted_peak(batch_size)
-        if peak > self.fit_bytes:
-            return self._report(ThroughputPoint(
-                batch_size, False, None, None, None, peak,
-                error=f"predicted to need {peak:,} B > {self.fit_bytes:,} B; not run"))
+        budget; OOM recovered and marked). The time budget is checked first: a batch skipped
+        for it needs no trace."""
         cost = self.predicted_measure_s(batch_size)
         if self.deadline is not None and cost is not None and \
                 time.perf_counter() + cost > self.deadline:
-            self.over_time.add(batch_size)
             return self._report(ThroughputPoint(
-                batch_size, False, None, None, None, peak,
+                batch_size, PointStatus.SKIPPED_TIME_BUDGET, None, None, None,
+                self.peaks.get(batch_size),
                 error=f"not run: measuring it would take ~{cost:.0f} s, past the time budget"))
+        peak = self.predicted_peak(batch_size)
+        if peak > self.fit_bytes:
+            return self._report(ThroughputPoint(
+                batch_size, PointStatus.PREDICTED_NOT_TO_FIT, None, None, None, peak,
+                error=f"predicted to need {peak:,} B > {self.fit_bytes:,} B; not run"))
         if self.on_measure is not None:
             self.on_measure(batch_size)
         error = ""
@@ -461,10 +335,12 @@ class _Sweep:
             self.measure_s += seconds
         if error:
             self._recover()
-            return self._report(ThroughputPoint(batch_size, False, None, None, None, peak,
-                                                error=error, seconds=seconds))
+            return self._report(ThroughputPoint(batch_size, PointStatus.OUT_OF_MEMORY, None,
+                                                None, None, peak, error=error,
+                                                seconds=seconds))
         self.step_s[batch_size] = min(median, self.step_s.get(batch_size, median))
-        return self._report(ThroughputPoint(batch_size, True, median, iqr, batch_size / median,
+        return self._report(ThroughputPoint(batch_size, PointStatus.MEASURED, median, iqr,
+                                            batch_size / median,
                                             peak, measured_peak, repeats, steps,
                                             seconds=seconds))
 
@@ -484,15 +360,6 @@ class _Sweep:
 
 
 # -- the sweep -------------------------------------------------------------------------------
-
-
-def _find_point(batch_size: int, points: tuple[ThroughputPoint, ...],
-                alignment: AlignmentResult | None) -> ThroughputPoint | None:
-    """Prefer the alignment analysis's measurement: interleaved, so less exposed to drift."""
-    for p in (alignment.points if alignment else ()) + points:
-        if p.batch_size == batch_size and p.fits:
-            return p
-    return None
 
 
 def _parse_batches(batches: Sequence[int] | str) -> tuple[int, ...] | None:
@@ -530,7 +397,8 @@ def _run_auto(sweep: _Sweep, maximum: int, tolerance: float, max_points: int) ->
     before searching for a peak inside the range, and all of :func:`deciding_batches` when
     the planner is done; it goes on if the knee moved."""
     runs: dict[int, list[ThroughputPoint]] = {}
-    failed: dict[int, ThroughputPoint] = {}
+    failed: dict[int, ThroughputPoint] = {}  # out of memory, or predicted not to fit
+    skipped: dict[int, ThroughputPoint] = {}  # not run: past the time budget
     confirmed: set[int] = set()
     ceiling = maximum
     while True:
@@ -545,20 +413,27 @@ def _run_auto(sweep: _Sweep, maximum: int, tolerance: float, max_points: int) ->
             batch = next_auto_batch(rates, ceiling, tolerance=tolerance, max_points=max_points)
         if batch is not None and batch not in runs and batch not in failed:
             point = sweep.measure(batch)
-            if point.fits:
+            if point.measured:
                 runs[batch] = [point]
                 continue
-            failed[batch] = point  # nothing at or above a batch that failed is tried again
-            if batch == 1:
+            if point.status is PointStatus.SKIPPED_TIME_BUDGET:
+                # a larger batch takes longer still, and the one below it hardly less: plan
+                # below the grid point under it (not batch - 1, which walked down one by one)
+                skipped[batch] = point
+                ceiling = max((b for b in batch_grid(ceiling) if b < batch), default=0)
+            else:  # nothing at or above a batch that failed is tried again
+                failed[batch] = point
+                ceiling = min(ceiling, batch - 1)
+            if ceiling < 1:
                 break
-            ceiling = min(ceiling, batch - 1)
             continue
         pending = [b for b in deciding_batches(rates, tolerance) if b not in confirmed] if rates else []
         if not pending:
             break
         _confirm(sweep, pending, runs)
         confirmed.update(pending)
-    return [_merge_runs(b, done) for b, done in runs.items()] + list(failed.values())
+    return ([_merge_runs(b, done) for b, done in runs.items()] + list(failed.values())
+            + [p for b, p in skipped.items() if b not in failed])
 
 
 
@@ -574,9 +449,9 @@ def _confirm(sweep: _Sweep, batches: Sequence[int], runs: dict[int, list[Through
         while todo:
             for b in todo:
                 point = sweep.measure(b)
-                if point.fits:
+                if point.measured:
                     runs[b].append(point)
-                else:
+                else:  # it keeps the measurements it has
                     batches = [x for x in batches if x != b]
             todo = [b for b in todo if b in batches and len(runs[b]) < wanted]
     finally:
@@ -590,7 +465,9 @@ def _merge_runs(batch_size: int, runs: Sequence[ThroughputPoint]) -> ThroughputP
         return runs[0]
     fastest = min(runs, key=lambda p: p.step_s)
     return replace(fastest, repeats=sum(p.repeats for p in runs), steps=sum(p.steps for p in runs),
-                   seconds=sum(p.seconds for p in runs))
+                   seconds=sum(p.seconds for p in runs),
+                   step_low_s=min(p.step_low_s for p in runs),
+                   step_high_s=max(p.step_high_s for p in runs))
 
 
 def _measure_rounds(sweep: _Sweep, batches: Sequence[int], rounds: int) -> list[ThroughputPoint]:
@@ -605,7 +482,7 @@ def _measure_rounds(sweep: _Sweep, batches: Sequence[int], rounds: int) -> list[
                 if b in failed:
                     continue
                 point = sweep.measure(b)
-                if point.fits:
+                if point.measured:
                     runs[b].append(point)
                 else:
                     failed[b] = point
@@ -621,8 +498,8 @@ def _run_alignment(sweep: _Sweep, base: int, ceiling: int) -> AlignmentResult:
     candidates = [b for b in alignment_candidates(base, ceiling)
                   if sweep.predicted_peak(b) <= sweep.fit_bytes]
     points = _measure_rounds(sweep, candidates, sweep.timing.alignment_rounds)
-    ok = {p.batch_size: p.samples_per_s for p in points if p.fits}
-    noise = statistics.median(p.spread or 0.0 for p in points if p.fits) if ok else 0.0
+    ok = {p.batch_size: p.samples_per_s for p in points if p.measured}
+    noise = statistics.median(p.spread or 0.0 for p in points if p.measured) if ok else 0.0
     if base not in ok:
         raise InvalidInputError(f"the recommended batch {base} could not be re-measured")
     return AlignmentResult(tuple(points), judge_alignment(base, ok, noise), noise)
@@ -733,16 +610,17 @@ def bench(model: Any, inputs: Any, config: TrainConfig | None = None, *,
                 points = _run_auto(sweep, maximum, tolerance, max_points)
             else:
                 points = _measure_rounds(sweep, requested, timing.rounds)
-            fitting = [p for p in points if p.fits]
+            fitting = [p for p in points if p.measured]
             if not fitting:
-                smallest = min(points, key=lambda p: p.batch_size)
+                smallest = min((p for p in points if p.fits is False),
+                               key=lambda p: p.batch_size)
                 raise DoesNotFitError(
                     f"every batch tried ran out of memory (smallest: {smallest.batch_size}: "
                     f"{smallest.error})", smallest.peak_bytes or 0, fit_bytes)
             knee = find_knee([p.batch_size for p in fitting], [p.samples_per_s for p in fitting],
                              tolerance)
             recommended = knee.knee_batch_size
-            ceiling = min([maximum] + [p.batch_size - 1 for p in points if not p.fits])
+            ceiling = min([maximum] + [p.batch_size - 1 for p in points if p.fits is False])
             aligned = None
             if alignment:
                 aligned = _run_alignment(sweep, recommended, max(ceiling, recommended))
@@ -750,6 +628,8 @@ def bench(model: Any, inputs: Any, config: TrainConfig | None = None, *,
         finally:
             sweep.close()
     result_points = tuple(sorted(points, key=lambda p: p.batch_size))
+    stability = knee_stability({p.batch_size: p.samples_per_s for p in fitting},
+                               {p.batch_size: p.samples_per_s_range for p in fitting}, tolerance)
     at = _find_point(recommended, result_points, aligned)
     epoch = (epoch_seconds(dataset_size, recommended, at.step_s)
              if dataset_size is not None and at is not None else None)
@@ -762,15 +642,21 @@ def bench(model: Any, inputs: Any, config: TrainConfig | None = None, *,
         device=profile, torch_device=str(torch_device), tolerance=tolerance, timing=timing,
         num_threads=_thread_count(timing), dataset_size=dataset_size, epoch_s=epoch,
         alignment=aligned, elapsed_s=time.perf_counter() - started, measure_s=sweep.measure_s,
-        note=_bench_note(limit.note, sweep, time_budget_s), time_budget_s=time_budget_s,
-        memory_source=memory_source)
+        note=_bench_note(limit.note, result_points, time_budget_s), time_budget_s=time_budget_s,
+        memory_source=memory_source, stability=stability)
 
 
-def _bench_note(solver_note: str, sweep: _Sweep, time_budget_s: float | None) -> str:
+def _bench_note(solver_note: str, points: Sequence[ThroughputPoint],
+                time_budget_s: float | None) -> str:
+    """The solver's note, and the batches skipped for the time budget, named one by one
+    (the rows say the same: a note never speaks of a batch that has a measured row)."""
     notes = [solver_note] if solver_note else []
-    if sweep.over_time:
-        notes.append(f"batches from {min(sweep.over_time)} up were not measured: they would "
-                     f"have run past the {time_budget_s:g} s time budget")
+    skipped = [p.batch_size for p in points if p.status is PointStatus.SKIPPED_TIME_BUDGET]
+    if skipped:
+        names = ", ".join(map(str, skipped))
+        notes.append(f"batch{'es' if len(skipped) > 1 else ''} {names} not measured: "
+                     f"{'they' if len(skipped) > 1 else 'it'} would have run past the "
+                     f"{time_budget_s:g} s time budget (--time-budget)")
     return "; ".join(notes)
 
 

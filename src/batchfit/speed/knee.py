@@ -64,6 +64,93 @@ class AlignmentVerdict:
 
 
 
+@dataclass(frozen=True)
+class KneeStability:
+    """Whether the knee stands out of the timing noise (see :func:`knee_stability`).
+
+    Attributes:
+        knee_batch_size: the knee of the measured rates.
+        candidate_batch_sizes: the measured batches a rerun could find as the knee, given
+            each one's throughput range; the knee is one of them.
+        tied_with_best: the measured batches whose throughput range overlaps the best's
+            (indistinguishable from the best).
+        within_noise: more than one candidate: the choice among them is within noise.
+        max_spread: the widest throughput range among the measured batches, as
+            ``high / low - 1``.
+        text: the same in words.
+    """
+
+    knee_batch_size: int
+    candidate_batch_sizes: tuple[int, ...]
+    tied_with_best: tuple[int, ...]
+    within_noise: bool
+    max_spread: float
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"knee_batch_size": self.knee_batch_size,
+                "candidate_batch_sizes": list(self.candidate_batch_sizes),
+                "tied_with_best": list(self.tied_with_best), "within_noise": self.within_noise,
+                "max_spread": self.max_spread, "text": self.text}
+
+
+def knee_stability(samples_per_s: Mapping[int, float], ranges: Mapping[int, tuple[float, float]],
+                   tolerance: float = DEFAULT_TOLERANCE) -> KneeStability:
+    """Which measured batches a rerun could find as the knee, given the timing spread.
+
+    Each batch's throughput is known only within ``(low, high)`` samples/s (from its step
+    times' spread). On a rerun the best throughput lies between ``max(low)`` and
+    ``max(high)``, so the knee's threshold lies between ``(1 - tolerance)`` times each. A
+    batch can be the knee when its ``high`` reaches the lowest threshold and every smaller
+    batch's ``low`` stays under the highest (none of them is surely past it). One candidate:
+    the knee stands out of the noise; several: the output says the difference is within
+    noise. The knee (of ``samples_per_s``, each inside its range) is always a candidate.
+
+    Args:
+        samples_per_s: the throughput counted for each measured batch size.
+        ranges: ``(low, high)`` samples/s by measured batch size, around ``samples_per_s``.
+        tolerance: the knee's tolerance, as for :func:`find_knee`.
+
+    Example:
+        >>> rates = {8: 51.0, 16: 82.0, 32: 96.0, 64: 100.0}  # knee 32 (96 >= 95)
+        >>> ranges = {8: (50, 52), 16: (80, 84), 32: (94, 98), 64: (99, 101)}
+        >>> knee_stability(rates, ranges).candidate_batch_sizes  # 32 may fall under 95% of 64
+        (32, 64)
+        >>> knee_stability(rates, {**ranges, 32: (96, 97)}).candidate_batch_sizes
+        (32,)
+    """
+    _check_tolerance(tolerance)
+    if set(ranges) != set(samples_per_s):
+        raise InvalidInputError("give a throughput range for each measured batch size")
+    for b, (low, high) in ranges.items():
+        if not 0 < low <= high:
+            raise InvalidInputError(f"throughput range {(low, high)!r} at batch {b} must be "
+                                    "positive and ordered (low, high)")
+    knee = find_knee(list(samples_per_s), list(samples_per_s.values()), tolerance)
+    sizes = sorted(ranges)
+    lowest_threshold = (1 - tolerance) * max(low for low, _ in ranges.values())
+    highest_threshold = (1 - tolerance) * max(high for _, high in ranges.values())
+    candidates = []
+    for i, b in enumerate(sizes):
+        surely_past = any(ranges[c][0] >= highest_threshold for c in sizes[:i])
+        if surely_past:
+            break
+        if ranges[b][1] >= lowest_threshold:
+            candidates.append(b)
+    best_low = ranges[knee.best_batch_size][0]
+    tied = tuple(b for b in sizes if ranges[b][1] >= best_low)
+    spread = max(high / low - 1 for low, high in ranges.values())
+    if len(candidates) > 1:
+        text = (f"The recommendation is within noise: batches {', '.join(map(str, candidates))} "
+                f"are all within {tolerance:.0%} of the best throughput given the timing spread "
+                f"(up to {spread:.1%}); a rerun may pick another of them.")
+    else:
+        text = (f"The knee {knee.knee_batch_size} stands out of the timing noise (spread up to "
+                f"{spread:.1%}).")
+    return KneeStability(knee.knee_batch_size, tuple(candidates), tied, len(candidates) > 1,
+                         spread, text)
+
+
 def _check_tolerance(tolerance: float) -> None:
     if not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
         raise InvalidInputError(f"tolerance {tolerance!r} must be a fraction in [0, 1), e.g. 0.05")
