@@ -48,6 +48,18 @@ def test_words_for_a_largest_batch():
         "max", "/tmp/m.py:make", "--memory", "2GiB", "--device", "cpu", "--json"]
 
 
+def test_output_files_follow_the_target(tmp_path):
+    from batchfit.cli.webapp import output_files
+
+    gpu = output_files(["max", "timm:resnet18", "--gpu", "T4", "--json"], tmp_path)
+    assert gpu.flags == ["--html", str(tmp_path / "batchfit-report.html"),
+                         "--export-snapshot", str(tmp_path / "batchfit-step.pickle")]
+    cpu = output_files(["max", "timm:resnet18", "--memory", "1GiB", "--device", "cpu"],
+                       tmp_path)
+    assert cpu.flags == ["--html", str(tmp_path / "batchfit-report.html")]
+    assert cpu.existing("report") is None  # nothing written yet
+
+
 @pytest.mark.parametrize("request_, message", [
     (Request(), "give a model"),
     (Request(model="timm:resnet18"), "give a GPU, or a memory size"),
@@ -103,12 +115,18 @@ def test_an_estimate_in_the_browser_equals_the_cli(server, tmp_path):
         page.wait_for_selector("#model textarea, #model input")
         _fill(page, {"model": "torchvision:resnet18", "gpu": "T4", "batch": "4"})
         text = _answer(page).replace("*", "")
+        page.wait_for_selector("#report a", timeout=30_000)
+        downloads = {elem: page.eval_on_selector_all(
+            f"#{elem} a", "as => as.map(a => a.href + ' ' + a.download).join(' ')")
+            for elem in ("report", "snapshot")}
         page.screenshot(path=str(tmp_path / "ui.png"), full_page=True)
     assert errors == []
     code, data, _ = _cli(["estimate", "torchvision:resnet18", "--batch-size", "4",
                           "--gpu", "T4", "--json"])
     assert code == 0
     assert f"({data['total_bytes']:,} bytes) on {data['device']['name']}" in text
+    assert "batchfit-report.html" in downloads["report"]
+    assert "batchfit-step.pickle" in downloads["snapshot"]
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import typer
 from rich.console import Console
 
 from batchfit._gc import freeze_after_imports
+from batchfit.cli import outputs
 from batchfit.cli.interrupt import exit_on_interrupt
 from batchfit.cli.progress import bench_progress, progress, trial_text
 from batchfit.cli.target import ATTN as _ATTN
@@ -99,6 +100,8 @@ AttnOpt = typer.Option(None, "--attn", help="attention implementation: sdpa (def
                        "or flash (flash-attention kernels; GPU, fp16/bf16, sm80+)")
 JsonOpt = typer.Option(False, "--json", help="print one JSON object")
 PlotOpt = typer.Option(None, "--plot", help="write a PNG plot here")
+HtmlOpt = typer.Option(None, "--html", help=outputs.HTML_HELP)
+SnapshotOutOpt = typer.Option(None, "--export-snapshot", help=outputs.SNAPSHOT_HELP)
 DebugOpt = typer.Option(False, "--debug", help="show tracebacks")
 WorldOpt = typer.Option(None, "--world-size",
                         help="multi-GPU: GPUs the step is spread over (the batch is per GPU)")
@@ -314,13 +317,15 @@ def estimate_cmd(
         None, "--snapshot", help="a CUDA memory snapshot of this step on the GPU "
         "(torch.cuda.memory._dump_snapshot): set the prediction against it, allocation by "
         "allocation"),
-    as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
+    as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, html: Optional[str] = HtmlOpt,
+    export_snapshot: Optional[str] = SnapshotOutOpt, debug: bool = DebugOpt,
 ) -> None:
     """Predict the peak memory of one step at a batch size (per GPU with --world-size)."""
     with _errors(debug):
         if batch_size < 1:
             raise InvalidInputError(f"--batch-size must be a positive integer, not {batch_size}")
         _check_plot(plot)
+        outputs.check_outputs(html, export_snapshot, sharded=world_size is not None)
         real = None
         if snapshot is not None:
             from batchfit.device.snapshot import load_snapshot
@@ -363,14 +368,18 @@ def estimate_cmd(
             from batchfit.cli.plot import plot_estimate
 
             plot_estimate(est, plot)
+        data = {"model": model, **notes, **est.to_dict()}
+        written = outputs.write_outputs(
+            data, est, f"batchfit estimate {model} at batch {batch_size}", html=html,
+            snapshot=export_snapshot, summary=outputs.ESTIMATE_SUMMARY)
         if as_json:
-            _emit_json({"model": model, **notes, **est.to_dict()})
+            _emit_json(data)
             return
         from batchfit.cli.report import render_estimate
 
         out.print(render_estimate(est))
-        if plot:
-            out.print(f"plot written to {plot}")
+        for line in ([f"plot written to {plot}"] if plot else []) + written:
+            out.print(line, soft_wrap=True, highlight=False)
 
 
 @app.command("max")
@@ -399,7 +408,8 @@ def max_cmd(
     offload: str = OffloadOpt, tp: int = TpOpt, nodes: int = NodesOpt,
     rank: Optional[int] = RankOpt, wrap: Optional[str] = WrapOpt,
     nccl_memory: Optional[str] = NcclOpt,
-    as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
+    as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, html: Optional[str] = HtmlOpt,
+    export_snapshot: Optional[str] = SnapshotOutOpt, debug: bool = DebugOpt,
 ) -> None:
     """The largest batch size that fits the GPU (or a memory budget).
 
@@ -417,6 +427,10 @@ def max_cmd(
         if max_limit < 1:
             raise InvalidInputError("--max-batch-limit must be positive")
         _check_plot(plot)
+        outputs.check_outputs(html, export_snapshot, sharded=world_size is not None)
+        if batch_size is not None and (html or export_snapshot):
+            raise InvalidInputError("--html and --export-snapshot go with the largest batch: "
+                                    "drop --batch-size, or estimate at the length found")
         settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
                                    inference_mode, alloc_conf)
         profile, memory_bytes = resolve_target(gpu, device, memory, overhead, need_budget=True)
@@ -460,14 +474,19 @@ def max_cmd(
             from batchfit.cli.plot import plot_max_batch
 
             plot_max_batch(result, plot)
+        data = {"model": model, **notes, **result.to_dict()}
+        written = outputs.write_outputs(
+            data, result.estimate_at_max, f"batchfit max {model} on {result.device.name}",
+            html=html, snapshot=export_snapshot, evaluated=result.evaluated,
+            budget_bytes=result.budget_bytes, summary=outputs.MAX_SUMMARY)
         if as_json:
-            _emit_json({"model": model, **notes, **result.to_dict()})
+            _emit_json(data)
             return
         from batchfit.cli.report import render_max_batch
 
         out.print(render_max_batch(result, model))
-        if plot:
-            out.print(f"plot written to {plot}")
+        for line in ([f"plot written to {plot}"] if plot else []) + written:
+            out.print(line, soft_wrap=True, highlight=False)
 
 
 def _measure_cpu_overhead(spec: Any, inputs: Any, config: Any) -> int:

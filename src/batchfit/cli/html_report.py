@@ -237,9 +237,9 @@ def _page(title: str, data: dict[str, Any], summary: Sequence[tuple[str, str]],
     rows = []
     for label, key in summary:
         value = data.get(key)
-        shown = (format_bytes(value) if "bytes" in key and isinstance(value, int)
-                 else "-" if value is None else f"{value:,}" if isinstance(value, int)
-                 else str(value))
+        shown = ("-" if value is None else ("yes" if value else "no") if isinstance(value, bool)
+                 else format_bytes(value) if "bytes" in key and isinstance(value, int)
+                 else f"{value:,}" if isinstance(value, int) else str(value))
         rows.append(f'<tr><th>{html.escape(label)}</th><td data-json="{html.escape(key)}" '
                     f'data-value="{html.escape(json.dumps(value))}">{html.escape(shown)}</td></tr>')
     body = "\n".join(

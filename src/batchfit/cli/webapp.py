@@ -20,8 +20,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -101,6 +103,30 @@ def command_words(request: Request) -> list[str]:
             raise ValueError("give a GPU, or a memory size as the CPU's budget")
         words += ["--device", "cpu"]
     return [*words, "--json"]
+
+
+@dataclass(frozen=True)
+class OutputFiles:
+    """The files a request asks the command to write beside its answer."""
+
+    paths: dict[str, Path]
+
+    @property
+    def flags(self) -> list[str]:
+        names = {"report": "--html", "snapshot": "--export-snapshot"}
+        return [word for kind, path in self.paths.items() for word in (names[kind], str(path))]
+
+    def existing(self, kind: str) -> str | None:
+        path = self.paths.get(kind)
+        return str(path) if path is not None and path.is_file() else None
+
+
+def output_files(words: Sequence[str], folder: Path) -> OutputFiles:
+    """The report for every answer, and the predicted snapshot for a GPU's (``--gpu``)."""
+    paths = {"report": folder / "batchfit-report.html"}
+    if "--gpu" in words:
+        paths["snapshot"] = folder / "batchfit-step.pickle"
+    return OutputFiles(paths)
 
 
 def run(words: Sequence[str], env: dict[str, str] | None = None) -> Iterator[str | Answer]:
@@ -204,6 +230,10 @@ def build_app() -> Any:
             stop = gr.Button("Cancel", elem_id="cancel")
         status = gr.Textbox(label="Progress", interactive=False, elem_id="status")
         answer = gr.Markdown(elem_id="answer")
+        with gr.Row():
+            report = gr.File(label="Interactive report (HTML)", elem_id="report")
+            snapshot = gr.File(label="Predicted memory snapshot (for pytorch.org/memory_viz)",
+                               elem_id="snapshot")
         details = gr.JSON(label="The answer's JSON", elem_id="json")
 
         def answer_request(*values: Any) -> Iterator[tuple[str, str, Any]]:
@@ -219,18 +249,21 @@ def build_app() -> Any:
             try:
                 words = command_words(Request(**fields))
             except ValueError as exc:
-                yield "", f"**Error:** {exc}", None
+                yield "", f"**Error:** {exc}", None, None, None
                 return
-            yield "batchfit " + " ".join(words[:-1]), "", None
-            for item in run(words):
+            yield "batchfit " + " ".join(words[:-1]), "", None, None, None
+            folder = Path(tempfile.mkdtemp(prefix="batchfit-ui-"))
+            files = output_files(words, folder)
+            for item in run([*words[:-1], *files.flags, "--json"]):
                 if isinstance(item, Answer):
-                    yield item.message, item.summary, item.data
+                    yield (item.message, item.summary, item.data, files.existing("report"),
+                           files.existing("snapshot"))
                 else:
-                    yield item, "", None
+                    yield item, "", None, None, None
 
         inputs = [model, model_file, factory, gpu, memory, mode, batch, precision, optimizer,
                   seq_len, input_shape, lora, quant, world, strategy]
-        event = go.click(answer_request, inputs, [status, answer, details])
+        event = go.click(answer_request, inputs, [status, answer, details, report, snapshot])
         stop.click(None, None, None, cancels=[event])
     return page
 
