@@ -22,10 +22,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory):
+    # wide enough that the boundary under the 200 MiB cap is a few thousand and the search
+    # settles it in fresh interpreters: it runs far past the last delay on any machine
     path = tmp_path_factory.mktemp("interrupt") / "model.py"
     path.write_text("from torch import nn\n\n"
                     "def mlp():\n"
-                    "    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))\n")
+                    "    return nn.Sequential(nn.Linear(32, 4096), nn.ReLU(), nn.Linear(4096, 4))\n")
     return path
 
 
