@@ -37,7 +37,7 @@ def _embedded(page_text: str) -> dict:
 
 def test_estimate_writes_a_snapshot_and_a_report(model, tmp_path):
     snapshot, report = tmp_path / "step.pickle", tmp_path / "step.html"
-    result = CliRunner().invoke(app, ["estimate", model, "-b", "16", "--gpu", "T4",
+    result = CliRunner().invoke(app, ["estimate", model, "-b", "64", "--gpu", "T4",
                                       "--export-snapshot", str(snapshot), "--html", str(report),
                                       "--json"])
     assert result.exit_code == 0, result.output
@@ -47,11 +47,59 @@ def test_estimate_writes_a_snapshot_and_a_report(model, tmp_path):
     assert read_allocations(written).peak_reserved_bytes == data["peak_reserved_bytes"]
     assert _embedded(report.read_text()) == data
     # the export given back as the real snapshot of the same step: no difference
-    again = CliRunner().invoke(app, ["estimate", model, "-b", "16", "--gpu", "T4",
+    again = CliRunner().invoke(app, ["estimate", model, "-b", "64", "--gpu", "T4",
                                      "--snapshot", str(snapshot), "--json"])
     assert again.exit_code == 0, again.output
     comparison = json.loads(again.stdout)["snapshot_comparison"]
     assert comparison["differences"] == [] and comparison["first_divergence"] is None
+    diff = json.loads(again.stdout)["snapshot_diff"]
+    assert diff["lacking"] == [] and diff["adding"] == [] and diff["slack_difference_bytes"] == 0
+    assert diff["matched_allocations"] == comparison["real_allocations"] > 0
+    text = CliRunner().invoke(app, ["estimate", model, "-b", "64", "--gpu", "T4",
+                                    "--snapshot", str(snapshot)])
+    assert text.exit_code == 0, text.output
+    assert f"all {diff['matched_allocations']} allocations >= 1.0 MiB match, in order" in " ".join(
+        text.stdout.split())
+
+
+def _with_a_workspace(snapshot: dict, size: int) -> dict:
+    """``snapshot`` with one more allocation at the end of its window, as a real GPU's
+    cuDNN workspace would be: in a segment of its own, freed, the segment kept."""
+    frames = [{"filename": "/x/site-packages/torch/nn/modules/conv.py", "line": 456,
+               "name": "_conv_forward"}, {"filename": "/home/me/small.py", "line": 5,
+                                          "name": "forward"}]
+    address = max(s["address"] + s["total_size"] for s in snapshot["segments"]) + (2 << 20)
+    snapshot["device_traces"][0] += [
+        {"action": "segment_alloc", "addr": address, "size": size},
+        {"action": "alloc", "addr": address, "size": size, "frames": frames},
+        {"action": "free_requested", "addr": address, "size": size},
+        {"action": "free_completed", "addr": address, "size": size}]
+    snapshot["segments"].append({"device": 0, "address": address, "total_size": size,
+                                 "blocks": [{"size": size, "state": "inactive"}]})
+    return snapshot
+
+
+def test_a_real_only_allocation_is_named_by_its_frames(model, tmp_path):
+    exported = tmp_path / "predicted.pickle"
+    result = CliRunner().invoke(app, ["estimate", model, "-b", "16", "--gpu", "T4",
+                                      "--export-snapshot", str(exported)])
+    assert result.exit_code == 0, result.output
+    with exported.open("rb") as f:
+        real = _with_a_workspace(pickle.load(f), 24 << 20)
+    real_path = tmp_path / "real.pickle"
+    real_path.write_bytes(pickle.dumps(real))
+    again = CliRunner().invoke(app, ["estimate", model, "-b", "16", "--gpu", "T4",
+                                     "--snapshot", str(real_path), "--json"])
+    assert again.exit_code == 0, again.output
+    diff = json.loads(again.stdout)["snapshot_diff"]
+    assert diff["lacking"] == [{"module": "small.py:5 forward", "op": "conv._conv_forward",
+                                "count": 1, "total_bytes": 24 << 20}]
+    assert diff["adding"] == []
+    text = CliRunner().invoke(app, ["estimate", model, "-b", "16", "--gpu", "T4",
+                                    "--snapshot", str(real_path)])
+    lines = " ".join(text.stdout.split())
+    assert "Allocations the prediction lacks (real only): 24.0 MiB" in lines
+    assert "small.py:5 forward" in lines and "conv._conv_forward" in lines
 
 
 def test_text_output_says_what_was_written(model, tmp_path):
@@ -91,3 +139,33 @@ def test_max_report_in_a_browser_equals_the_json(model, tmp_path):
     assert cells["budget_bytes"] == data["budget_bytes"]
     assert cells["total_bytes_at_max"] == data["total_bytes_at_max"]
     assert figures == 5  # memory vs batch, breakdown, modules, timeline, segments
+
+
+@pytest.mark.slow
+def test_the_report_shows_the_diff_as_the_json(model, tmp_path):
+    exported, report = tmp_path / "predicted.pickle", tmp_path / "diff.html"
+    result = CliRunner().invoke(app, ["estimate", model, "-b", "64", "--gpu", "T4",
+                                      "--export-snapshot", str(exported)])
+    assert result.exit_code == 0, result.output
+    with exported.open("rb") as f:
+        real = _with_a_workspace(pickle.load(f), 24 << 20)
+    real_path = tmp_path / "real.pickle"
+    real_path.write_bytes(pickle.dumps(real))
+    again = CliRunner().invoke(app, ["estimate", model, "-b", "64", "--gpu", "T4", "--snapshot",
+                                     str(real_path), "--html", str(report), "--json"])
+    assert again.exit_code == 0, again.output
+    diff = json.loads(again.stdout)["snapshot_diff"]
+    with open_page(report.as_uri()) as (page, errors):
+        page.wait_for_selector(".js-plotly-plot .main-svg")
+        cells = dict(page.eval_on_selector_all(
+            "td[data-json]", "cs => cs.map(c => [c.dataset.json, JSON.parse(c.dataset.value)])"))
+        bars = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
+            .filter(d => d.layout.title.text.startsWith('Against the real snapshot'))
+            .map(d => d.data.map(t => ({name: t.name, x: [...t.x], y: [...t.y]})))""")
+    assert errors == []
+    for key in ("real_slack_bytes", "predicted_slack_bytes", "lacking_bytes", "adding_bytes",
+                "matched_allocations"):
+        assert cells[f"snapshot_diff.{key}"] == diff[key]
+    # one bar: the 24 MiB the prediction lacks, named by its op and the model's line
+    assert bars == [[{"name": "the prediction lacks (real only)", "x": [24.0],
+                      "y": ["conv._conv_forward in small.py:5 forward"]}]]

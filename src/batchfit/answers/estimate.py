@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -18,6 +19,7 @@ from torch import nn
 from batchfit.device.allocator import AllocatorConfig
 from batchfit.device.profile import DeviceProfile, resolve_device
 from batchfit.device.snapshot import SnapshotComparison, allocator_config_of, compare_step
+from batchfit.device.snapshot_diff import SnapshotDiff, diff_snapshots
 from batchfit.device.timeline import ModuleMemory, Timeline, needed_bytes, replay_events
 from batchfit.engine.limits import KernelLimit
 from batchfit.engine.spec import Precision, TrainConfig, make_config
@@ -75,6 +77,9 @@ class MemoryEstimate:
     host_backed_bytes: int = 0  # paged optimizer state in unified memory, outside total_bytes
     #: the step set against a real CUDA memory snapshot of it (``estimate(snapshot=...)``)
     snapshot_comparison: SnapshotComparison | None = None
+    #: that snapshot against the predicted one, allocation by allocation (None without a
+    #: snapshot, or for expandable segments, which the predicted snapshot does not model)
+    snapshot_diff: SnapshotDiff | None = None
     #: the traced steady step's events, which :meth:`predicted_snapshot` replays
     events: tuple[Event, ...] = field(default=(), repr=False, compare=False)
 
@@ -146,6 +151,8 @@ class MemoryEstimate:
         }
         if self.snapshot_comparison is not None:
             data["snapshot_comparison"] = self.snapshot_comparison.to_dict()
+        if self.snapshot_diff is not None:
+            data["snapshot_diff"] = self.snapshot_diff.to_dict()
         if timeline:
             data["timeline"] = self.timeline.to_dict()
         return data
@@ -234,6 +241,7 @@ def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True,
     comparison = None if snapshot is None else compare_step(
         snapshot, trace.steady_events, steady.peak_allocated_bytes, steady.peak_reserved_bytes)
     overhead = device.outside_allocator_bytes
+    diff = None if snapshot is None else _diff(snapshot, trace.steady_events, device)
     if trace.first_events is trace.steady_events:
         first_peak: int | None = steady.peak_reserved_bytes + overhead
     elif first_step:
@@ -256,4 +264,16 @@ def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True,
         largest_tensor=trace.largest_tensor, largest_grid=trace.largest_grid,
         kernel_limit=trace.kernel_limit,
         host_backed_bytes=trace.host_backed_bytes, snapshot_comparison=comparison,
+        snapshot_diff=diff,
         events=tuple(trace.steady_events))
+
+
+def _diff(snapshot: dict[str, Any], events: Sequence[Event],
+          device: DeviceProfile) -> SnapshotDiff | None:
+    """The real snapshot against the predicted one of the steady step (None for expandable
+    segments, which the predicted snapshot does not model)."""
+    if device.allocator.expandable_segments:
+        return None
+    from batchfit.device.snapshot_export import predicted_snapshot
+
+    return diff_snapshots(snapshot, predicted_snapshot(events, device))

@@ -17,6 +17,9 @@ Figures, each drawn from the result as predicted, never interpolated as if measu
 * on a GPU, the segments when the predicted steady step's allocated memory peaks (the
   predicted memory snapshot: :mod:`batchfit.device.snapshot_export`), each block coloured
   by what holds it.
+* with a real snapshot (``estimate --snapshot``), the allocations the prediction lacks
+  and adds, by module and op (:mod:`batchfit.device.snapshot_diff`), and both slacks in
+  the summary table.
 
 plotly is an optional dependency (``pip install 'batchfit[report]'``).
 """
@@ -73,7 +76,18 @@ def memory_report(title: str, data: dict[str, Any], est: Any,
         figures.insert(0, _memory_vs_batch(evaluated, budget_bytes, data.get("max_batch_size")))
     if est.device.is_cuda and est.events:
         figures.append(_segments(est.predicted_snapshot()["batchfit"]["peak_segments"]))
+    if getattr(est, "snapshot_diff", None) is not None:
+        summary = [*summary, *DIFF_SUMMARY]
+        figures.append(_snapshot_diff(est.snapshot_diff))
     return _page(title, data, summary, [f for f in figures if f is not None])
+
+
+#: The summary rows of a diff against a real snapshot (dotted: a key inside ``data``).
+DIFF_SUMMARY = (("slack at the peak, real", "snapshot_diff.real_slack_bytes"),
+                ("slack at the peak, predicted", "snapshot_diff.predicted_slack_bytes"),
+                ("real allocations the prediction lacks", "snapshot_diff.lacking_bytes"),
+                ("predicted allocations the GPU never made", "snapshot_diff.adding_bytes"),
+                ("allocations matched", "snapshot_diff.matched_allocations"))
 
 
 def write_report(page: str, path: str) -> Path:
@@ -225,6 +239,29 @@ def _segments(segments: Sequence[dict[str, Any]]) -> Any:
                    f"memory ({unit})", "", height=max(320, 26 * len(segments) + 180))
 
 
+def _snapshot_diff(diff: Any) -> Any:
+    """The unmatched allocations of both sides, by module and op (most bytes first)."""
+    groups = [("lacks (real only)", g) for g in diff.lacking[:SEGMENTS_DRAWN]]
+    groups += [("adds (predicted only)", g) for g in diff.adding[:SEGMENTS_DRAWN]]
+    if not groups:
+        return None
+    go = _go()
+    scale, unit = unit_for([g.total_bytes for _, g in groups])
+    fig = go.Figure()
+    for side, colour in (("lacks (real only)", "#c0392b"), ("adds (predicted only)", "#2980b9")):
+        mine = [g for name, g in groups if name == side]
+        if mine:
+            fig.add_trace(go.Bar(
+                x=[g.total_bytes / scale for g in mine],
+                y=[f"{g.op or '-'} in {g.module or '<root>'}" for g in mine], orientation="h",
+                name=f"the prediction {side}", marker_color=colour,
+                text=[f"{g.count}x" for g in mine], textposition="auto",
+                hovertemplate=f"%{{y}}: %{{x:,.2f}} {unit} (%{{text}})<extra></extra>"))
+    fig.update_yaxes(autorange="reversed")
+    return _layout(fig, "Against the real snapshot: allocations on one side only",
+                   f"memory ({unit})", "", height=max(300, 30 * len(groups) + 140))
+
+
 # --------------------------------------------------------------------------- the page
 
 
@@ -236,7 +273,7 @@ def _page(title: str, data: dict[str, Any], summary: Sequence[tuple[str, str]],
 
     rows = []
     for label, key in summary:
-        value = data.get(key)
+        value = _lookup(data, key)
         shown = ("-" if value is None else ("yes" if value else "no") if isinstance(value, bool)
                  else format_bytes(value) if "bytes" in key and isinstance(value, int)
                  else f"{value:,}" if isinstance(value, int) else str(value))
@@ -268,3 +305,11 @@ embedded in this page (element <code>batchfit-json</code>).</footer>
 <script type="application/json" id="batchfit-json">{payload}</script>
 </body></html>
 """
+
+
+def _lookup(data: dict[str, Any], key: str) -> Any:
+    """``data[key]``, or for a dotted key the value inside nested objects (None if absent)."""
+    value: Any = data
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value

@@ -116,6 +116,42 @@ def snapshot_lines(comparison: Any) -> list[Any]:
     return lines
 
 
+#: The most groups shown on each side of a snapshot diff (the JSON has them all).
+DIFF_GROUPS_SHOWN = 15
+
+
+def snapshot_diff_lines(diff: Any) -> list[Any]:
+    """The real snapshot against the predicted one: the allocations the prediction lacks
+    and adds, by module and op, and the allocator's slack at the peak on each side."""
+    slack = Table(title="Slack at the allocated peak (reserved - allocated)",
+                  title_justify="left")
+    for name in ("real", "predicted", "difference"):
+        slack.add_column(name, justify="right")
+    slack.add_row(format_bytes(diff.real_slack_bytes), format_bytes(diff.predicted_slack_bytes),
+                  format_bytes(diff.slack_difference_bytes))
+    lines: list[Any] = [slack]
+    if not diff.lacking and not diff.adding:
+        lines.append(Text(f"all {diff.matched_allocations} allocations >= "
+                          f"{format_bytes(diff.min_bytes)} match, in order", style="green"))
+        return lines
+    for groups, total, title in (
+            (diff.lacking, diff.lacking_bytes, "Allocations the prediction lacks (real only)"),
+            (diff.adding, diff.adding_bytes, "Allocations the prediction adds (predicted only)")):
+        if not groups:
+            continue
+        table = Table(title=f"{title}: {format_bytes(total)}", title_justify="left")
+        for name, justify in (("module", "left"), ("op", "left"), ("count", "right"),
+                              ("memory", "right")):
+            table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        for group in groups[:DIFF_GROUPS_SHOWN]:
+            table.add_row(group.module or "<root>", group.op or "-", str(group.count),
+                          format_bytes(group.total_bytes))
+        if len(groups) > DIFF_GROUPS_SHOWN:
+            table.caption = f"{len(groups) - DIFF_GROUPS_SHOWN} more in --json"
+        lines.append(table)
+    return lines
+
+
 def unified_memory_note(device: Any) -> Text | None:
     """For a GPU that shares its memory with the CPU (Jetson), what the answer assumes."""
     if not getattr(device, "unified_memory", False):
@@ -167,6 +203,8 @@ def render_estimate(est: Any) -> Group:
         lines.append(Text(f"warning: {warning}", style="yellow"))
     if getattr(est, "snapshot_comparison", None) is not None:
         lines.extend(snapshot_lines(est.snapshot_comparison))
+    if getattr(est, "snapshot_diff", None) is not None:
+        lines.extend(snapshot_diff_lines(est.snapshot_diff))
     return Group(*lines)
 
 

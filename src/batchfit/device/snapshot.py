@@ -66,6 +66,10 @@ class RealAllocations:
             counting those alive when it started.
         peak_reserved_bytes: the most bytes in cudaMalloc'd segments during the window.
         oom_count: out-of-memory errors the allocator raised in the window.
+        places: for each allocation, its ``(module, op)`` read from its frames
+            (:func:`frame_place`).
+        reserved_at_peak_bytes: the bytes in segments when the allocated bytes peak (the
+            first time they do); minus ``peak_allocated_bytes``, the allocator's slack there.
     """
 
     sizes: tuple[int, ...]
@@ -73,6 +77,13 @@ class RealAllocations:
     peak_allocated_bytes: int
     peak_reserved_bytes: int
     oom_count: int
+    places: tuple[tuple[str, str], ...] = ()
+    reserved_at_peak_bytes: int = 0
+
+    @property
+    def slack_at_peak_bytes(self) -> int:
+        """Reserved minus allocated bytes when the allocated bytes peak."""
+        return self.reserved_at_peak_bytes - self.peak_allocated_bytes
 
 
 @dataclass(frozen=True)
@@ -197,29 +208,62 @@ def read_allocations(snapshot: dict[str, Any], device: int | None = None) -> Rea
     live: dict[int, int] = {}
     sizes: list[int] = []
     labels: list[str] = []
-    steps_reserved, steps_allocated = [0], [0]
+    places: list[tuple[str, str]] = []
+    # the window's running (allocated, reserved) bytes after each action, from zero
+    steps: list[tuple[int, int]] = [(0, 0)]
     ooms = 0
     for entry in traces[device]:
         action = entry["action"]
+        now_allocated, now_reserved = steps[-1]
         if action == "alloc":
             live[entry["addr"]] = entry["size"]
             sizes.append(entry["size"])
             labels.append(_user_frame(entry.get("frames", ())))
-            steps_allocated.append(steps_allocated[-1] + entry["size"])
+            places.append(frame_place(entry.get("frames", ())))
+            steps.append((now_allocated + entry["size"], now_reserved))
         elif action == "free_completed":
-            steps_allocated.append(steps_allocated[-1] - live.pop(entry["addr"], entry["size"]))
+            steps.append((now_allocated - live.pop(entry["addr"], entry["size"]), now_reserved))
         elif action == "segment_alloc":
-            steps_reserved.append(steps_reserved[-1] + entry["size"])
+            steps.append((now_allocated, now_reserved + entry["size"]))
         elif action == "segment_free":
-            steps_reserved.append(steps_reserved[-1] - entry["size"])
+            steps.append((now_allocated, now_reserved - entry["size"]))
         elif action == "oom":
             ooms += 1
-    start_allocated = allocated - steps_allocated[-1]
-    start_reserved = reserved - steps_reserved[-1]
+    start_allocated = allocated - steps[-1][0]
+    start_reserved = reserved - steps[-1][1]
+    at_peak = max(range(len(steps)), key=lambda i: steps[i][0])  # the first of equal peaks
     return RealAllocations(
         sizes=tuple(sizes), labels=tuple(labels),
-        peak_allocated_bytes=start_allocated + max(steps_allocated),
-        peak_reserved_bytes=start_reserved + max(steps_reserved), oom_count=ooms)
+        peak_allocated_bytes=start_allocated + steps[at_peak][0],
+        peak_reserved_bytes=start_reserved + max(r for _, r in steps), oom_count=ooms,
+        places=tuple(places), reserved_at_peak_bytes=start_reserved + steps[at_peak][1])
+
+
+def frame_place(frames: Sequence[dict[str, Any]]) -> tuple[str, str]:
+    """The ``(module, op)`` an allocation's frames name (frames come innermost first).
+
+    batchfit's predicted snapshot (:mod:`batchfit.device.snapshot_export`) names them
+    itself: the module path as the first frame's file (``<root>``: the model, read as "")
+    and the op as its function, with a second frame from ``batchfit``. A real stack names
+    Python code: the module is the model's line (``file:line function``, as
+    :class:`SizeDifference`'s real labels), the op the innermost Python function
+    (``file_stem.function``, e.g. ``conv._conv_forward``). ("", "") without frames.
+
+    Example:
+        >>> frame_place([{"filename": "layer1.0.conv1", "line": 0, "name": "aten.convolution"},
+        ...              {"filename": "batchfit", "line": 0, "name": "forward: activations"}])
+        ('layer1.0.conv1', 'aten.convolution')
+        >>> frame_place([{"filename": "/x/site-packages/torch/nn/modules/conv.py", "line": 456,
+        ...               "name": "_conv_forward"},
+        ...              {"filename": "/home/me/net.py", "line": 12, "name": "forward"}])
+        ('net.py:12 forward', 'conv._conv_forward')
+    """
+    if len(frames) > 1 and frames[1].get("filename") == "batchfit":
+        module = str(frames[0].get("filename", ""))
+        return ("" if module == "<root>" else module), str(frames[0].get("name", ""))
+    inner = next((f for f in frames if str(f.get("filename", "")).endswith(".py")), None)
+    op = f"{Path(inner['filename']).stem}.{inner.get('name', '')}" if inner else ""
+    return _user_frame(frames), op
 
 
 def compare(real: RealAllocations, predicted_sizes: Sequence[int],
