@@ -17,7 +17,7 @@ from batchfit.answers.maxbatch import max_batch_size
 from batchfit.cli.html_report import check_html_path, memory_report, unit_for, write_report
 from batchfit.cli.report import format_bytes
 from batchfit.errors import InvalidInputError
-from browser import open_page
+from browser import open_page, screenshot
 
 pytest.importorskip("plotly")
 MiB, GiB = 1 << 20, 1 << 30
@@ -51,6 +51,7 @@ def test_max_report_in_a_browser(tmp_path):
             "td[data-json]", "cs => cs.map(c => [c.dataset.json, c.dataset.value, c.innerText])")
         figures = _figures(page)
         page.screenshot(path=str(tmp_path / "max.png"), full_page=True)
+        screenshot(page, "report.png")
     assert errors == []
     assert embedded == json.loads(json.dumps(data))
     assert [(key, json.loads(value)) for key, value, _ in cells] == [
@@ -60,8 +61,12 @@ def test_max_report_in_a_browser(tmp_path):
     assert shown["max_batch_size"] == f"{result.max_batch_size:,}"
     # memory vs batch: one marker per traced batch, in the unit the axis names
     traced = next(f for f in figures if f["title"].startswith("Memory against batch"))
-    (markers,) = traced["traces"]
+    markers, answer = traced["traces"]
     scale, _ = unit_for([b for _, b in result.evaluated] + [result.budget_bytes])
+    # the answer: a vertical line from 0 to the top of the data, named
+    top = max([n for _, n in result.evaluated] + [result.budget_bytes])
+    assert answer == {"name": f"answer {result.max_batch_size:,}",
+                      "x": [result.max_batch_size] * 2, "y": [0, pytest.approx(top / scale)]}
     drawn_points = sorted(zip(markers["x"], markers["y"]))
     expected = sorted((b, n / scale) for b, n in result.evaluated)
     assert [b for b, _ in drawn_points] == [b for b, _ in expected]

@@ -133,8 +133,12 @@ def _memory_vs_batch(evaluated: Sequence[tuple[int, int]], budget: int | None,
         fig.add_hline(y=budget / scale, line_dash="dash", line_color="#c0392b",
                       annotation_text=f"budget {budget / scale:,.2f} {unit}")
     if answer:
-        fig.add_vline(x=answer, line_dash="dot", line_color="#27ae60",
-                      annotation_text=f"answer {answer}", annotation_position="bottom left")
+        # a vertical line as a trace, not a shape: plotly places a shape's annotation at
+        # 10**x on a log axis, off the page
+        top = max([n for _, n in points] + ([budget] if budget else [])) / scale
+        fig.add_trace(go.Scatter(x=[answer, answer], y=[0, top], mode="lines",
+                                 name=f"answer {answer:,}", hoverinfo="name",
+                                 line={"dash": "dot", "color": "#27ae60"}))
     fig.update_xaxes(type="log" if points and points[-1][0] > 16 * max(points[0][0], 1)
                      else "linear")
     return _layout(fig, "Memory against batch size (traced batches only)", "batch size",
@@ -160,8 +164,9 @@ def _top_modules(est: Any) -> Any:
     modules = list(reversed(est.top_modules))
     scale, unit = unit_for([m.bytes for m in modules])
     fig = go.Figure(go.Bar(
-        x=[m.bytes / scale for m in modules], y=[m.module for m in modules], orientation="h",
-        hovertemplate=f"%{{y}}: %{{x:,.2f}} {unit}<extra></extra>"))
+        x=[m.bytes / scale for m in modules], y=[m.module or "<root>" for m in modules],
+        orientation="h", hovertemplate=f"%{{y}}: %{{x:,.2f}} {unit}<extra></extra>"))
+    fig.update_yaxes(type="category")  # module paths like "1" and "3" are names, not numbers
     return _layout(fig, "Modules holding the most activations and temporaries at the peak",
                    f"memory ({unit})", "", height=max(300, 32 * len(modules) + 120))
 
@@ -234,7 +239,6 @@ def _segments(segments: Sequence[dict[str, Any]]) -> Any:
                      for kind, t in traces.items()])
     fig.update_layout(barmode="stack")
     fig.update_yaxes(categoryorder="array", categoryarray=names, autorange="reversed")
-    fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -0.12, "x": 0})
     return _layout(fig, "Segments at the step's allocated peak (largest first)",
                    f"memory ({unit})", "", height=max(320, 26 * len(segments) + 180))
 
@@ -276,7 +280,8 @@ def _page(title: str, data: dict[str, Any], summary: Sequence[tuple[str, str]],
         value = _lookup(data, key)
         shown = ("-" if value is None else ("yes" if value else "no") if isinstance(value, bool)
                  else format_bytes(value) if "bytes" in key and isinstance(value, int)
-                 else f"{value:,}" if isinstance(value, int) else str(value))
+                 else f"{value:,}" if isinstance(value, int) else _number(value)
+                 if isinstance(value, float) else str(value))
         rows.append(f'<tr><th>{html.escape(label)}</th><td data-json="{html.escape(key)}" '
                     f'data-value="{html.escape(json.dumps(value))}">{html.escape(shown)}</td></tr>')
     body = "\n".join(
@@ -313,3 +318,8 @@ def _lookup(data: dict[str, Any], key: str) -> Any:
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
     return value
+
+
+def _number(value: float) -> str:
+    """A float as people read it: grouped with one decimal from 100 up, else 4 figures."""
+    return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}"
