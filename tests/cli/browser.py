@@ -1,11 +1,15 @@
 """A real headless browser for the tests of pages batchfit writes (Debian's chromium
 driven by playwright). Where no chromium is installed the browser tests are skipped, except
-in CI (``CI=true``), where ``make test`` installs it and a missing browser is a failure."""
+in CI (``CI=true``), where ``make test`` installs it and a missing browser is a failure.
+
+With ``BATCHFIT_SCREENSHOTS=FOLDER`` (e.g. ``docs/images``), the tests also save what they
+saw there as PNG files (:func:`screenshot`): the pictures of the docs are made this way."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -38,3 +42,15 @@ def open_page(url: str, width: int = 1200, height: int = 900) -> Iterator[tuple[
             yield page, errors
         finally:
             browser.close()
+
+
+def screenshot(page: Any, name: str, full_page: bool = True) -> Path | None:
+    """Save the page as ``$BATCHFIT_SCREENSHOTS/NAME`` when that variable names a folder
+    (created if missing); None when it is unset."""
+    folder = os.environ.get("BATCHFIT_SCREENSHOTS")
+    if not folder:
+        return None
+    path = Path(folder) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(path), full_page=full_page)
+    return path

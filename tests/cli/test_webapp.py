@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from batchfit.cli import app
 from batchfit.cli.webapp import Request, command_words
-from browser import open_page
+from browser import open_page, screenshot
 
 FACTORY = '''
 from torch import nn
@@ -120,6 +120,7 @@ def test_an_estimate_in_the_browser_equals_the_cli(server, tmp_path):
             f"#{elem} a", "as => as.map(a => a.href + ' ' + a.download).join(' ')")
             for elem in ("report", "snapshot")}
         page.screenshot(path=str(tmp_path / "ui.png"), full_page=True)
+        screenshot(page, "webapp.png")
     assert errors == []
     code, data, _ = _cli(["estimate", "torchvision:resnet18", "--batch-size", "4",
                           "--gpu", "T4", "--json"])

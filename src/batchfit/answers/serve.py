@@ -97,6 +97,9 @@ class ServeResult:
         layer_kinds: count of layers per cache kind.
         hf: for ``engine=hf``: batch size, prompt and new tokens, peaks and the largest batch.
         vllm_engine: ``v1`` or ``v0``: whose profile run (sampler) was modelled.
+        concurrency_by_context: vLLM: ``(max_model_len, max_concurrency)`` at shorter
+            contexts with the same KV memory (the profile run does not depend on the
+            context): powers of two from 1,024 tokens, then ``max_model_len`` itself.
         notes: what the answer assumed that the user did not ask for (a dtype the card
             forced, a card total the catalog lacks).
     """
@@ -120,6 +123,7 @@ class ServeResult:
     hf: dict[str, Any] = field(default_factory=dict)
     vllm_engine: str = "v1"
     notes: tuple[str, ...] = ()
+    concurrency_by_context: tuple[tuple[int, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -139,7 +143,10 @@ class ServeResult:
                         num_blocks=self.plan.num_blocks, block_size=self.plan.block_size,
                         kv_tokens=self.plan.tokens, page_bytes=self.plan.page_bytes,
                         blocks_per_request=self.plan.blocks_per_request,
-                        kv_cache_groups=self.plan.groups)
+                        kv_cache_groups=self.plan.groups,
+                        concurrency_by_context=[
+                            {"max_model_len": tokens, "max_concurrency": round(requests, 4)}
+                            for tokens, requests in self.concurrency_by_context])
         if self.hf:
             data["hf"] = self.hf
         return data
@@ -327,8 +334,13 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
             f"{weights / GiB:.2f} GiB + profile peak {activation / GiB:.2f} GiB + non-torch "
             f"{non_torch / GiB:.2f} GiB exceed {gpu_memory_utilization:.0%} of the card",
             needed_bytes=weights + activation + non_torch, available_bytes=requested)
-    plan = plan_blocks(caches, available, block_size=block_size, max_model_len=max_model_len,
-                       max_num_batched_tokens=max_num_batched_tokens)
+    def blocks(context: int) -> BlockPlan:
+        return plan_blocks(caches, available, block_size=block_size, max_model_len=context,
+                           max_num_batched_tokens=max_num_batched_tokens)
+
+    plan = blocks(max_model_len)
+    contexts = [*(1 << n for n in range(10, max_model_len.bit_length())
+                  if 1 << n < max_model_len), max_model_len]
     return ServeResult(
         engine=engine, model=model, device=profile, dtype=chosen, kv_dtype=kv_name,
         weights_bytes=weights, activation_peak_bytes=activation, non_torch_bytes=non_torch,
@@ -336,7 +348,8 @@ def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | 
         kv_bytes_per_token=kv_bytes_per_token(caches),
         state_bytes_per_sequence=sum(c.state_bytes for c in caches), plan=plan,
         max_model_len=max_model_len, max_concurrency=plan.max_concurrency,
-        layer_kinds=_kinds(caches), vllm_engine=vllm_engine.value, notes=notes)
+        layer_kinds=_kinds(caches), vllm_engine=vllm_engine.value, notes=notes,
+        concurrency_by_context=tuple((c, blocks(c).max_concurrency) for c in contexts))
 
 
 def _kinds(caches: list[LayerCache]) -> dict[str, int]:

@@ -146,8 +146,6 @@ def _errors(debug: bool, json_head: dict[str, Any] | None = None) -> Iterator[No
         raise typer.Exit(1) from None
 
 
-
-
 def _stack_settings(stack: str | None, torch_version: str | None, cuda_version: str | None,
                     cudnn_benchmark: bool, inference_mode: bool,
                     alloc_conf: str | None = None) -> dict[str, Any]:
@@ -170,7 +168,6 @@ def _stack_settings(stack: str | None, torch_version: str | None, cuda_version: 
     return settings
 
 
-
 @dataclass(frozen=True)
 class LlmArgs:
     """The LLM options of ``estimate`` and ``max`` (README, "LLM fine-tuning")."""
@@ -183,8 +180,6 @@ class LlmArgs:
     packing: bool = False
     attn: str | None = None
     transformers_version: str | None = None
-
-
 
 
 def _parallel(world_size: int | None, strategy: str | None, offload: str, tp: int,
@@ -643,7 +638,7 @@ def bench_cmd(
     model_kwargs: Optional[list[str]] = KwargsOpt, inference_mode: bool = InfModeOpt,
     stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
     cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
-    alloc_conf: Optional[str] = AllocConfOpt,
+    alloc_conf: Optional[str] = AllocConfOpt, html: Optional[str] = HtmlOpt,
     as_json: bool = JsonOpt, plot: Optional[str] = PlotOpt, debug: bool = DebugOpt,
 ) -> None:
     """Measure (or predict) throughput against batch size and recommend the fastest batch.
@@ -654,6 +649,7 @@ def bench_cmd(
     """
     with _errors(debug):
         _check_plot(plot)
+        outputs.check_outputs(html, None)
         if dataset_size is not None and dataset_size < 1:
             raise InvalidInputError(f"--dataset-size must be a positive integer, not {dataset_size}")
         if predict and not gpu:
@@ -696,14 +692,16 @@ def bench_cmd(
             from batchfit.cli.plot import plot_throughput
 
             plot_throughput(result, plot)
+        data = {"model": model, **notes, **result.to_dict()}
+        written = outputs.write_answer_report("bench", data, f"batchfit bench {model}", html)
         if as_json:
-            _emit_json({"model": model, **notes, **result.to_dict()})
+            _emit_json(data)
             return
         from batchfit.cli.report import render_bench
 
         out.print(render_bench(result, model))
-        if plot:
-            out.print(f"plot written to {plot}")
+        for line in ([f"plot written to {plot}"] if plot else []) + written:
+            out.print(line, soft_wrap=True, highlight=False)
 
 
 def _predicted_only(predict: bool, command: str, stack: str | None, torch_version: str | None,

@@ -1,5 +1,6 @@
-"""The files ``estimate`` and ``max`` write beside their answer: ``--html`` (the interactive
-report, :mod:`batchfit.cli.html_report`) and ``--export-snapshot`` (the predicted step as a
+"""The files the commands write beside their answer: ``--html`` (the interactive report:
+:mod:`batchfit.cli.html_report` for ``estimate`` and ``max``, :mod:`batchfit.cli.html_answers`
+for ``bench``, ``plan`` and ``serve``) and ``--export-snapshot`` (the predicted step as a
 CUDA memory snapshot, :mod:`batchfit.device.snapshot_export`). Paths are checked before any
 work, so a result is never lost to a bad path."""
 
@@ -49,6 +50,19 @@ def write_outputs(data: dict[str, Any], est: Any, title: str, *, html: str | Non
         write_report(memory_report(title, data, est, evaluated, budget_bytes, summary), html)
         written.append(f"report written to {html}")
     return written
+
+
+def write_answer_report(command: str, data: dict[str, Any], title: str,
+                        html: str | None) -> list[str]:
+    """``--html`` for ``bench``, ``plan`` or ``serve``: the page of ``data`` (the command's
+    JSON); returns a line for the file written."""
+    if html is None:
+        return []
+    from batchfit.cli.html_answers import PAGES
+    from batchfit.cli.html_report import write_report
+
+    write_report(PAGES[command](title, data), html)
+    return [f"report written to {html}"]
 
 
 #: The summary rows of each command's report: (label, key of its JSON).

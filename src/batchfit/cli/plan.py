@@ -12,6 +12,7 @@ from batchfit.cli.app import (
     CudaVerOpt,
     CudnnBenchOpt,
     DebugOpt,
+    HtmlOpt,
     InputOpt,
     JsonOpt,
     KwargsOpt,
@@ -29,6 +30,7 @@ from batchfit.cli.app import (
     app,
     out,
 )
+from batchfit.cli import outputs
 from batchfit.cli.progress import progress
 from batchfit.errors import InvalidInputError
 
@@ -55,11 +57,12 @@ def plan_cmd(
     model_kwargs: Optional[list[str]] = KwargsOpt,
     stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
     cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
-    alloc_conf: Optional[str] = AllocConfOpt,
+    alloc_conf: Optional[str] = AllocConfOpt, html: Optional[str] = HtmlOpt,
     as_json: bool = JsonOpt, debug: bool = DebugOpt,
 ) -> None:
     """Rank multi-GPU layouts of a global batch by predicted step time, with memory per GPU."""
     with _errors(debug):
+        outputs.check_outputs(html, None)
         settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
                                    False, alloc_conf)
         with progress("plan", f"resolving {model}") as status:
@@ -79,12 +82,17 @@ def plan_cmd(
                           offload=offload_policy.strip().lower(),
                           network_bytes_per_s=network_gbs * 1e9 if network_gbs else None,
                           on_layout=on_layout)
+        data = {"model": model, **result.to_dict()}
+        written = outputs.write_answer_report(
+            "plan", data, f"batchfit plan {model} on {gpus}, global batch {global_batch}", html)
         if as_json:
-            _emit_json({"model": model, **result.to_dict()})
+            _emit_json(data)
             return
         from batchfit.cli.report import render_plan
 
         out.print(render_plan(result, model))
+        for line in written:
+            out.print(line, soft_wrap=True, highlight=False)
 
 
 def _int_list(text: str | None, option: str) -> list[int]:

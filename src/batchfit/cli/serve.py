@@ -7,7 +7,8 @@ from typing import Any, Optional
 
 import typer
 
-from batchfit.cli.app import DebugOpt, JsonOpt, KwargsOpt, _emit_json, _errors, app, out
+from batchfit.cli import outputs
+from batchfit.cli.app import DebugOpt, HtmlOpt, JsonOpt, KwargsOpt, _emit_json, _errors, app, out
 from batchfit.cli.progress import progress
 from batchfit.engine.spec import parse_size
 
@@ -42,12 +43,13 @@ def serve_cmd(
     vllm_engine: str = typer.Option("v1", "--vllm-engine", help="v1, or v0 (vLLM <= 0.6: its "
                                     "profile run samples with top-p/top-k, a sort of the "
                                     "logits)"),
-    model_kwargs: Optional[list[str]] = KwargsOpt,
+    model_kwargs: Optional[list[str]] = KwargsOpt, html: Optional[str] = HtmlOpt,
     as_json: bool = JsonOpt, debug: bool = DebugOpt,
 ) -> None:
     """Serving capacity: KV-cache bytes per token, blocks, tokens and concurrent sequences."""
     head = {"model": model, "gpu": gpu, "engine": engine} if as_json else None
     with _errors(debug, json_head=head):
+        outputs.check_outputs(html, None)
         from batchfit.answers.serve import serve_capacity
         from batchfit.models.resolve import parse_model_kwargs
 
@@ -62,12 +64,17 @@ def serve_cmd(
                 batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
                 model_kwargs=parse_model_kwargs(model_kwargs or []), quant=quant,
                 all_logits=all_logits, vllm_engine=vllm_engine)
+        data = {**result.to_dict(), "fits": True}
+        written = outputs.write_answer_report("serve", data, f"batchfit serve {model} on {gpu}",
+                                              html)
         if as_json:
-            _emit_json({**result.to_dict(), "fits": True})
+            _emit_json(data)
             return
         from batchfit.cli.report import render_serve
 
         out.print(render_serve(result))
+        for line in written:
+            out.print(line, soft_wrap=True, highlight=False)
 
 
 def _serve_gpu(name: str) -> Any:
