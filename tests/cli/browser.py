@@ -17,6 +17,10 @@ from typing import Any
 import pytest
 
 
+#: The working directory at collection, before any test changes it.
+_STARTED_IN = Path.cwd()
+
+
 def chromium_path() -> str | None:
     return next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
 
@@ -50,7 +54,7 @@ def screenshot(page: Any, name: str, full_page: bool = True) -> Path | None:
     folder = os.environ.get("BATCHFIT_SCREENSHOTS")
     if not folder:
         return None
-    path = Path(folder) / name
+    path = _STARTED_IN / folder / name  # a relative folder: from where pytest started
     path.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(path), full_page=full_page)
     return path

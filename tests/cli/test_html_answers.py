@@ -167,3 +167,13 @@ def test_text_output_says_where_the_report_is(models, tmp_path):
     # offline: no script is fetched, plotly is inside the page
     page = report.read_text()
     assert re.search(r"<script[^>]*\bsrc=", page) is None and "Plotly.newPlot" in page
+
+
+def test_a_measured_bench_says_so(models, tmp_path):
+    report = tmp_path / "bench.html"
+    data = _run(["bench", f"{models}:build", "--device", "cpu", "--memory", "1GiB",
+                 "--batches", "1,2", "--time-budget", "20s", "--html", str(report)])
+    page = report.read_text()
+    assert "predicted" not in data
+    assert "batchfit: throughput measured on this device." in page
+    assert "a prediction from a traced step" not in page

@@ -37,6 +37,7 @@ def _figures(page) -> list[dict]:
                traces: d.data.map(t => ({name: t.name, x: [...t.x], y: [...t.y]}))}))""")
 
 
+@pytest.mark.slow
 def test_max_report_in_a_browser(tmp_path):
     result = max_batch_size(_net(), (3, 32, 32), device="A100", memory_bytes=2 * GiB,
                             optimizer="adamw")
@@ -80,6 +81,7 @@ def test_max_report_in_a_browser(tmp_path):
     assert (tmp_path / "max.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_cpu_estimate_report_has_no_segments(tmp_path):
     est = batchfit.estimate(_net(), (3, 32, 32), 8, optimizer="sgd")
     data = est.to_dict()

@@ -116,6 +116,7 @@ def test_an_estimate_in_the_browser_equals_the_cli(server, tmp_path):
         _fill(page, {"model": "torchvision:resnet18", "gpu": "T4", "batch": "4"})
         text = _answer(page).replace("*", "")
         page.wait_for_selector("#report a", timeout=30_000)
+        status = page.input_value("#status textarea")
         downloads = {elem: page.eval_on_selector_all(
             f"#{elem} a", "as => as.map(a => a.href + ' ' + a.download).join(' ')")
             for elem in ("report", "snapshot")}
@@ -126,6 +127,9 @@ def test_an_estimate_in_the_browser_equals_the_cli(server, tmp_path):
                           "--gpu", "T4", "--json"])
     assert code == 0
     assert f"({data['total_bytes']:,} bytes) on {data['device']['name']}" in text
+    # the finished answer's status is the command that gave it, not a stale progress line
+    assert status == ("done: batchfit estimate torchvision:resnet18 --batch-size 4 "
+                      "--gpu 'NVIDIA Tesla T4'")  # the catalog's name, as the list offers it
     assert "batchfit-report.html" in downloads["report"]
     assert "batchfit-step.pickle" in downloads["snapshot"]
 
@@ -141,6 +145,21 @@ def test_a_model_file_upload_answers_as_the_cli(server, tmp_path):
         text = _answer(page).replace("*", "")
     assert errors == []
     code, data, _ = _cli(["max", f"{model_file}:build", "--gpu", "T4", "--json"])
+    assert code == 0
+    assert f"Largest batch: {data['max_batch_size']} on {data['device']['name']}" in text
+    assert f"{data['total_bytes_at_max']:,} bytes needed" in text
+
+
+@pytest.mark.slow
+def test_a_largest_inference_batch_in_the_browser_equals_the_cli(server):
+    with open_page(server) as (page, errors):
+        page.wait_for_selector("#model textarea, #model input")
+        _fill(page, {"model": "torchvision:resnet18", "gpu": "L4"})
+        page.locator("#mode label", has_text="infer").click()
+        text = _answer(page).replace("*", "")
+    assert errors == []
+    code, data, _ = _cli(["max", "torchvision:resnet18", "--gpu", "L4", "--mode", "infer",
+                          "--json"])
     assert code == 0
     assert f"Largest batch: {data['max_batch_size']} on {data['device']['name']}" in text
     assert f"{data['total_bytes_at_max']:,} bytes needed" in text
@@ -184,6 +203,10 @@ def test_cancel_ends_the_command(server):
         while not set(_children()) - before and time.time() < deadline:
             time.sleep(0.2)
         assert set(_children()) - before, "the command did not start"
+        # long work shows progress: the command's own lines ("batchfit max [   5.0 s]: ...")
+        page.wait_for_function(
+            "() => /batchfit max \\[ *[0-9.]+ s\\]/.test("
+            "document.querySelector('#status textarea').value)", timeout=60_000)
         page.locator("#cancel").click()
         deadline = time.time() + 30
         while set(_children()) - before and time.time() < deadline:

@@ -18,7 +18,7 @@ import html
 from collections.abc import Callable
 from typing import Any
 
-from batchfit.cli.html_report import _go, _layout, _page, unit_for
+from batchfit.cli.html_report import PREDICTED, _go, _layout, _page, unit_for
 
 BENCH_SUMMARY = (("recommended batch", "recommended_batch_size"),
                  ("knee", "knee_batch_size"), ("fastest batch", "best_batch_size"),
@@ -58,7 +58,8 @@ def bench_report(title: str, data: dict[str, Any]) -> str:
     kind = "predicted" if data.get("predicted") else "measured"
     figure = _layout(fig, f"Throughput against batch size ({kind})", "batch size",
                      "samples per second")
-    return _page(title, data, BENCH_SUMMARY, [figure])
+    return _page(title, data, BENCH_SUMMARY, [figure],
+                 PREDICTED if data.get("predicted") else "throughput measured on this device")
 
 
 def plan_report(title: str, data: dict[str, Any]) -> str:
@@ -114,7 +115,8 @@ def serve_report(title: str, data: dict[str, Any]) -> str:
             x=[c["max_model_len"] for c in curve], y=[c["max_concurrency"] for c in curve],
             mode="lines+markers", name="requests at once",
             hovertemplate="context %{x:,}: %{y:,.2f} requests<extra></extra>"))
-        fig.update_xaxes(type="log", tickvals=[c["max_model_len"] for c in curve])
+        fig.update_xaxes(type="log", tickvals=[c["max_model_len"] for c in curve],
+                         tickformat=",d")
         fig.update_yaxes(type="log")
         figures.append(_layout(fig, "Requests that fit at once against the context per request "
                                     "(same KV cache)", "context per request (tokens)",

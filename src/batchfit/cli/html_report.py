@@ -269,8 +269,11 @@ def _snapshot_diff(diff: Any) -> Any:
 # --------------------------------------------------------------------------- the page
 
 
+PREDICTED = "a prediction from a traced step, not a measurement"
+
+
 def _page(title: str, data: dict[str, Any], summary: Sequence[tuple[str, str]],
-          figures: Sequence[Any]) -> str:
+          figures: Sequence[Any], source: str = PREDICTED) -> str:
     from plotly.offline import get_plotlyjs
 
     from batchfit.cli.report import format_bytes
@@ -305,7 +308,7 @@ footer {{ color: #777; font-size: 0.85em; }}
 {chr(10).join(rows)}
 </table>
 {body}
-<footer>batchfit: a prediction from a traced step, not a measurement. The answer's JSON is
+<footer>batchfit: {html.escape(source)}. The answer's JSON is
 embedded in this page (element <code>batchfit-json</code>).</footer>
 <script type="application/json" id="batchfit-json">{payload}</script>
 </body></html>

@@ -123,11 +123,12 @@ DIFF_GROUPS_SHOWN = 15
 def snapshot_diff_lines(diff: Any) -> list[Any]:
     """The real snapshot against the predicted one: the allocations the prediction lacks
     and adds, by module and op, and the allocator's slack at the peak on each side."""
-    slack = Table(title="Slack at the allocated peak (reserved - allocated)",
-                  title_justify="left")
+    slack = Table(title="The allocator's slack against the real snapshot", title_justify="left")
+    slack.add_column("")
     for name in ("real", "predicted", "difference"):
         slack.add_column(name, justify="right")
-    slack.add_row(format_bytes(diff.real_slack_bytes), format_bytes(diff.predicted_slack_bytes),
+    slack.add_row("reserved - allocated at the allocated peak",
+                  format_bytes(diff.real_slack_bytes), format_bytes(diff.predicted_slack_bytes),
                   format_bytes(diff.slack_difference_bytes))
     lines: list[Any] = [slack]
     if not diff.lacking and not diff.adding:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -251,12 +252,15 @@ def build_app() -> Any:
             except ValueError as exc:
                 yield "", f"**Error:** {exc}", None, None, None
                 return
-            yield "batchfit " + " ".join(words[:-1]), "", None, None, None
+            command = shlex.join(["batchfit", *words[:-1]])  # to paste into a shell
+            yield command, "", None, None, None
             folder = Path(tempfile.mkdtemp(prefix="batchfit-ui-"))
             files = output_files(words, folder)
             for item in run([*words[:-1], *files.flags, "--json"]):
                 if isinstance(item, Answer):
-                    yield (item.message, item.summary, item.data, files.existing("report"),
+                    # done: the command that answered, not its last progress line
+                    status = f"done: {command}" if item.exit_code == 0 else item.message
+                    yield (status, item.summary, item.data, files.existing("report"),
                            files.existing("snapshot"))
                 else:
                     yield item, "", None, None, None
