@@ -177,3 +177,16 @@ def test_a_measured_bench_says_so(models, tmp_path):
     assert "predicted" not in data
     assert "batchfit: throughput measured on this device." in page
     assert "a prediction from a traced step" not in page
+
+
+@pytest.mark.slow
+def test_screenshots_go_where_the_variable_says(tmp_path, monkeypatch):
+    page_file = tmp_path / "p.html"
+    page_file.write_text("<!DOCTYPE html><html><body><h1>batchfit</h1></body></html>")
+    with open_page(page_file.as_uri()) as (page, _):
+        monkeypatch.delenv("BATCHFIT_SCREENSHOTS", raising=False)
+        assert screenshot(page, "none.png") is None
+        monkeypatch.setenv("BATCHFIT_SCREENSHOTS", str(tmp_path / "shots"))
+        path = screenshot(page, "page.png")
+    assert path == tmp_path / "shots" / "page.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

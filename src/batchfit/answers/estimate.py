@@ -179,7 +179,8 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
         first_step: also replay the first step (``first_step_peak_bytes``; None if False).
         snapshot: a real CUDA memory snapshot of this step on the target
             (:func:`batchfit.device.snapshot.load_snapshot`): the estimate then carries a
-            :class:`~batchfit.device.snapshot.SnapshotComparison` of the two, and replays
+            :class:`~batchfit.device.snapshot.SnapshotComparison` of the two and a
+            :class:`~batchfit.device.snapshot_diff.SnapshotDiff` (``snapshot_diff``), and replays
             with the snapshot's allocator options unless ``alloc_conf`` is given.
 
     Returns:
