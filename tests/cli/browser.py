@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
-
 
 #: The working directory at collection, before any test changes it.
 _STARTED_IN = Path.cwd()

@@ -8,10 +8,10 @@ import math
 import re
 
 import pytest
+from browser import open_page, screenshot
 from typer.testing import CliRunner
 
 from batchfit.cli import app
-from browser import open_page, screenshot
 
 pytest.importorskip("plotly")
 

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from batchfit.cli import outputs
 from batchfit.cli.app import (
     AllocConfOpt,
     CudaVerOpt,
@@ -30,7 +31,6 @@ from batchfit.cli.app import (
     app,
     out,
 )
-from batchfit.cli import outputs
 from batchfit.cli.progress import progress
 from batchfit.errors import InvalidInputError
 
