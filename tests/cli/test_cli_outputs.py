@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from batchfit.cli import app
 from batchfit.device.snapshot import read_allocations
-from browser import open_page
+from browser import open_page, screenshot
 
 FACTORY = '''
 from torch import nn
@@ -142,7 +142,10 @@ def test_max_report_in_a_browser_equals_the_json(model, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_report_shows_the_diff_as_the_json(model, tmp_path):
+def test_the_report_shows_the_diff_as_the_json(tmp_path, monkeypatch):
+    (tmp_path / "small.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)  # the page's title names the model as a user would
+    model = "small.py:build"
     exported, report = tmp_path / "predicted.pickle", tmp_path / "diff.html"
     result = CliRunner().invoke(app, ["estimate", model, "-b", "64", "--gpu", "T4",
                                       "--export-snapshot", str(exported)])
@@ -154,7 +157,8 @@ def test_the_report_shows_the_diff_as_the_json(model, tmp_path):
     again = CliRunner().invoke(app, ["estimate", model, "-b", "64", "--gpu", "T4", "--snapshot",
                                      str(real_path), "--html", str(report), "--json"])
     assert again.exit_code == 0, again.output
-    diff = json.loads(again.stdout)["snapshot_diff"]
+    data = json.loads(again.stdout)
+    diff = data["snapshot_diff"]
     with open_page(report.as_uri()) as (page, errors):
         page.wait_for_selector(".js-plotly-plot .main-svg")
         cells = dict(page.eval_on_selector_all(
@@ -162,10 +166,13 @@ def test_the_report_shows_the_diff_as_the_json(model, tmp_path):
         bars = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
             .filter(d => d.layout.title.text.startsWith('Against the real snapshot'))
             .map(d => d.data.map(t => ({name: t.name, x: [...t.x], y: [...t.y]})))""")
+        screenshot(page, "report-diff.png")
     assert errors == []
     for key in ("real_slack_bytes", "predicted_slack_bytes", "lacking_bytes", "adding_bytes",
                 "matched_allocations"):
         assert cells[f"snapshot_diff.{key}"] == diff[key]
+    for key in ("real_peak_allocated_bytes", "real_peak_reserved_bytes"):
+        assert cells[f"snapshot_comparison.{key}"] == data["snapshot_comparison"][key]
     # one bar: the 24 MiB the prediction lacks, named by its op and the model's line
     assert bars == [[{"name": "the prediction lacks (real only)", "x": [24.0],
                       "y": ["conv._conv_forward in small.py:5 forward"]}]]

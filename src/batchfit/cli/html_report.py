@@ -83,7 +83,9 @@ def memory_report(title: str, data: dict[str, Any], est: Any,
 
 
 #: The summary rows of a diff against a real snapshot (dotted: a key inside ``data``).
-DIFF_SUMMARY = (("slack at the peak, real", "snapshot_diff.real_slack_bytes"),
+DIFF_SUMMARY = (("peak allocated, real", "snapshot_comparison.real_peak_allocated_bytes"),
+                ("peak reserved, real", "snapshot_comparison.real_peak_reserved_bytes"),
+                ("slack at the peak, real", "snapshot_diff.real_slack_bytes"),
                 ("slack at the peak, predicted", "snapshot_diff.predicted_slack_bytes"),
                 ("real allocations the prediction lacks", "snapshot_diff.lacking_bytes"),
                 ("predicted allocations the GPU never made", "snapshot_diff.adding_bytes"),
@@ -262,6 +264,7 @@ def _snapshot_diff(diff: Any) -> Any:
                 text=[f"{g.count}x" for g in mine], textposition="auto",
                 hovertemplate=f"%{{y}}: %{{x:,.2f}} {unit} (%{{text}})<extra></extra>"))
     fig.update_yaxes(autorange="reversed")
+    fig.update_layout(showlegend=True)  # plotly hides a lone trace's: it says which side
     return _layout(fig, "Against the real snapshot: allocations on one side only",
                    f"memory ({unit})", "", height=max(300, 30 * len(groups) + 140))
 
