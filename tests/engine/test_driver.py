@@ -15,10 +15,10 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # driver_reference: the cases and their digest
 
-import driver_reference  # noqa: E402
+import driver_reference
 
-from batchfit.engine.spec import TrainConfig  # noqa: E402
-from batchfit.speed.op_costs import trace_op_costs, trace_step_and_costs  # noqa: E402
+from batchfit.engine.spec import TrainConfig
+from batchfit.speed.op_costs import trace_op_costs, trace_step_and_costs
 
 REFERENCE = json.loads((HERE / "driver_reference.json").read_text())
 
