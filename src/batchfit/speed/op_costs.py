@@ -96,8 +96,18 @@ def _extra_flop_formulas() -> dict[Any, Any]:
                       aten._scaled_dot_product_flash_attention_backward)):
         packet = getattr(aten, op, None)
         if packet is not None and packet not in flop_counter.flop_registry:
-            found[packet] = flop_counter.flop_registry[like]
+            found[packet] = _raw_formula(flop_counter.flop_registry[like])
     return found
+
+
+def _raw_formula(formula: Any) -> Any:
+    """A registered (already shape-wrapped) formula, marked so ``FlopCounterMode`` does not
+    wrap it again (the CPU profile counts with the mode)."""
+    def count(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        return formula(*args, out_val=out_val, **kwargs)
+
+    count._get_raw = True  # type: ignore[attr-defined]
+    return count
 
 
 def _tensor_bytes(tensor: Any) -> int:
