@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,53 +33,15 @@ from batchfit.engine import _torch_internals as ti
 from batchfit.engine.limits import KernelLimit, attention_grid, worst
 from batchfit.engine.observers import StepObserver, mark_steady, observing
 from batchfit.engine.prepare import (
+    StepTransform,
     TraceReuse,
     meta_model,
-    workload_checkpointing,
-    workload_model,
+    module_preparer,
 )
 from batchfit.engine.spec import TrainConfig
 from batchfit.engine.step_trace import StepTrace, alive_at_end, as_setup, translate_error
 from batchfit.engine.target import Target
 from batchfit.engine.tracer import Category, Event, Phase, Tracer
-
-
-class StepTransform(Protocol):
-    """Another way to build and run the traced step: one rank of a sharded step.
-
-    :mod:`batchfit.sharding` implements it (DDP, FSDP, DeepSpeed ZeRO, tensor parallel):
-    :func:`drive_step` enters :meth:`session` around the whole trace, builds the module
-    with :meth:`build` while the tracer records (so memory created or freed while
-    wrapping is seen), calls :meth:`attach` once the step's runner exists and, with
-    :attr:`whole_steps`, :meth:`before_step` before each of the two traced steps.
-    """
-
-    def session(self) -> contextlib.AbstractContextManager[Any]:
-        """The process-wide state the trace needs (a fake process group), undone after."""
-
-    def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
-              float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
-        """The module the step runs, with fake tensors, from a model built on meta (or the
-        user's module, which must not be changed: copy it)."""
-
-    def watched(self, module: nn.Module) -> nn.Module:
-        """The module whose submodules name memory (DDP's wrapped module)."""
-
-    def attach(self, runner: Any, tracer: Tracer) -> None:
-        """Set up what the step needs once its runner (and optimizer) exist."""
-
-    def before_step(self, index: int) -> None:
-        """Called before traced training step ``index`` (0: the first, 1: the steady)."""
-
-    def finish(self, trace: StepTrace) -> StepTrace:
-        """The trace as the device sees it (an offload takes host memory off it)."""
-
-    #: True: trace two whole training steps (DDP rebuilds its buckets in the second;
-    #: DeepSpeed's engine runs its own optimizer). False: one forward and backward, and
-    #: the optimizer on meta twins of the (local, sharded) parameters, as for one GPU.
-    whole_steps: bool
-
-
 
 
 @old_objects_frozen()
@@ -103,7 +65,6 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
             :mod:`batchfit.speed.op_costs`); each is told which parts are the steady step.
             With observers the optimizer phase is traced even if ``reuse`` holds it.
     """
-    from batchfit.engine.fake import enable_checkpointing, fake_copy
     from batchfit.engine.spec import Mode
     from batchfit.engine.step import (
         StepRunner,
@@ -139,14 +100,7 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
     # gradients live into the next step's forward (zeroed in place, or zeroed after it)
     grads_survive = not config.zero_grad_to_none or config.zero_grad_after_forward
     fake_mode = ti.new_fake_mode()
-    if workload is not None and workload.loss.value == "chunked" and not device.is_cuda:
-        raise InvalidInputError(
-            "--loss chunked is Liger-Kernel's fused cross-entropy, whose Triton kernels run "
-            "on GPUs only: use a GPU target (--gpu NAME) or --loss standard")
-    if workload is not None and transform is not None:
-        raise InvalidInputError(
-            "LLM workloads (--lora, --quant, --loss chunked) are not traced under a sharding "
-            "strategy yet: drop --strategy/--world-size, or the workload options")
+    preparer = module_preparer(model, base, owned, config, device, reuse, transform)
     session = transform.session() if transform is not None else contextlib.nullcontext()
     with ti.preserved_global_state(), session:
         scratch = not device.is_cuda and getattr(device, "kernel_scratch", True)
@@ -154,35 +108,14 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
                         fake_mode=fake_mode, stack=stack,
                         cudnn_benchmark=device.compute_capability
                         if config.cudnn_benchmark else None)
-        quant_state: list[torch.Tensor] = []
-        if transform is not None:
-            source = base
-            try:
-                with fake_mode, tracer:
-                    twin = transform.build(source, fake_mode, tracer, float_dtype,
-                                           config.checkpointing and training)
-            except BatchfitError:
-                raise
-            except Exception as exc:
-                raise translate_error(exc, tracer, source, Phase.SETUP) from exc
-        elif workload is None:
-            twin = fake_copy(base, fake_mode, float_dtype=float_dtype,
-                             channels_last=config.channels_last, owned=owned)
-        else:
-            from batchfit.engine.workloads.quantstate import install_fake_quant_state
-
-            source, attributes = workload_model(model, config, reuse)
-            twin = fake_copy(source, fake_mode, channels_last=config.channels_last)
-            quant_state = install_fake_quant_state(twin, attributes, fake_mode, device.is_cuda)
-        if transform is None and config.checkpointing and training and not (
-                workload is not None and workload_checkpointing(config)):
-            enable_checkpointing(twin, config.use_reentrant)
+        prepared = preparer.prepare(fake_mode, tracer, float_dtype, training)
+        twin = prepared.module
         params = list(twin.parameters())
         # storages made while building (a transform's) are retagged, others registered
-        record = tracer.register if transform is None else tracer.retag
+        record = tracer.retag if prepared.built_under_tracer else tracer.register
         for p in params:
             record(p, Category.PARAMETERS)
-        for t in quant_state:  # absmax blocks, code books: part of the stored weights
+        for t in prepared.stored_weights:  # absmax blocks, code books: part of the weights
             tracer.register(t, Category.PARAMETERS)
         for b in twin.buffers():
             record(b, Category.BUFFERS)
@@ -191,31 +124,7 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
             batch = make_batch(spec, batch_size, float_dtype, generator, config.channels_last)
         for t in ti.iter_tensors(batch):
             tracer.register(t, Category.INPUTS)
-        emulation = None
-        # The trace runs an inference_mode step under no_grad (under inference mode a
-        # dispatch mode sees composite ops such as aten.linear undecomposed); what
-        # inference mode changes in memory is autocast's weight cache, switched off here.
-        weight_cache = not config.inference_mode or stack.autocast_caches_in_inference_mode
-        if device.is_cuda:
-            from batchfit.engine.cuda_emulation import CudaEmulation
-
-            amp = precision.autocast_dtype
-            emulation = CudaEmulation(device.compute_capability,
-                                      autocast_dtype=torch_dtype(amp) if amp else None,
-                                      cudnn_version=stack.cudnn_version,
-                                      fused_attention=stack.has_sdpa,
-                                      efficient_chunks_batch=stack.efficient_attention_chunks_batch,
-                                      math_sdpa_upcasts=stack.math_sdpa_upcasts,
-                                      weight_cache=weight_cache,
-                                      softmax_saves_input=stack.softmax_saves_input)
-            autocast = emulation.autocast_region if amp else None
-            emulation.where = tracer.current_module
-        elif precision.autocast_dtype:
-            amp_dtype = torch_dtype(precision.autocast_dtype)
-            autocast = lambda: torch.autocast("cpu", dtype=amp_dtype,
-                                              cache_enabled=weight_cache)
-        else:
-            autocast = None
+        emulation, autocast = _emulation(config, device, tracer)
         with fake_mode:
             runner = StepRunner(twin, config, batch, autocast=autocast, traced=True,
                                 foreach=stack.foreach_default if device.is_cuda else False,
@@ -313,6 +222,41 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
         kernel_limit=_kernel_limit(tracer, emulation),
         host_backed_bytes=host_backed)
     return transform.finish(traced) if transform is not None else traced
+
+
+def _emulation(config: TrainConfig, device: Target, tracer: Tracer) -> tuple[Any, Any]:
+    """The CUDA emulation of a GPU target (None on a CPU), and the autocast region factory
+    of the config's precision (None without autocast)."""
+    from batchfit.engine.step import torch_dtype
+
+    precision = config.precision
+    stack = config.resolved_stack
+    emulation = None
+    # The trace runs an inference_mode step under no_grad (under inference mode a
+    # dispatch mode sees composite ops such as aten.linear undecomposed); what
+    # inference mode changes in memory is autocast's weight cache, switched off here.
+    weight_cache = not config.inference_mode or stack.autocast_caches_in_inference_mode
+    if device.is_cuda:
+        from batchfit.engine.cuda_emulation import CudaEmulation
+
+        amp = precision.autocast_dtype
+        emulation = CudaEmulation(device.compute_capability,
+                                  autocast_dtype=torch_dtype(amp) if amp else None,
+                                  cudnn_version=stack.cudnn_version,
+                                  fused_attention=stack.has_sdpa,
+                                  efficient_chunks_batch=stack.efficient_attention_chunks_batch,
+                                  math_sdpa_upcasts=stack.math_sdpa_upcasts,
+                                  weight_cache=weight_cache,
+                                  softmax_saves_input=stack.softmax_saves_input)
+        autocast = emulation.autocast_region if amp else None
+        emulation.where = tracer.current_module
+    elif precision.autocast_dtype:
+        amp_dtype = torch_dtype(precision.autocast_dtype)
+        autocast = lambda: torch.autocast("cpu", dtype=amp_dtype,
+                                          cache_enabled=weight_cache)
+    else:
+        autocast = None
+    return emulation, autocast
 
 
 def _kernel_limit(tracer: Tracer, emulation: Any) -> KernelLimit | None:

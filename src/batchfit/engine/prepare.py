@@ -1,20 +1,33 @@
-"""Preparing the model a step runs: the user's module or a factory's, built on meta once,
-with an LLM workload applied (quantized, prepared, adapted) when the config has one; and
-what repeated traces of one model share (:class:`TraceReuse`).
+"""Preparers: what turns the user's model into the fake module a traced step runs.
 
-The step driver (:mod:`batchfit.engine.driver`) prepares the module here; a Keras model is
-prepared by :func:`batchfit.engine.keras_trace.prepared_keras`, a sharded rank by its
-:class:`~batchfit.engine.driver.StepTransform`.
+The step driver (:mod:`batchfit.engine.driver`) asks :func:`module_preparer` for one
+:class:`ModulePreparer` and runs whatever it prepares:
+
+* :class:`PlainModule`: the user's module or a factory's, built on meta once, as a fake copy;
+* :class:`WorkloadModule`: the same with an LLM workload applied (quantized, prepared,
+  adapted: :func:`workload_model`);
+* :class:`ShardedModule`: one rank of a sharding strategy, built by its
+  :class:`StepTransform` (:mod:`batchfit.sharding`) while the tracer records.
+
+A Keras model has its own step and is prepared by
+:func:`batchfit.engine.keras_trace.prepared_keras`. :class:`TraceReuse` holds what
+repeated traces of one model share.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from batchfit.engine import _torch_internals as ti
-from batchfit.engine.tracer import Event
+from batchfit.engine.spec import TrainConfig
+from batchfit.engine.step_trace import StepTrace, translate_error
+from batchfit.engine.target import Target
+from batchfit.engine.tracer import Event, Phase, Tracer
 
 
 class TraceReuse:
@@ -104,3 +117,149 @@ def workload_checkpointing(config: Any) -> bool:
     """Whether the workload already turned checkpointing on (peft's
     ``prepare_model_for_kbit_training`` does, with the given ``use_reentrant``)."""
     return config.quant is not None and config.quant.prepare
+
+
+class StepTransform(Protocol):
+    """Another way to build and run the traced step: one rank of a sharded step.
+
+    :mod:`batchfit.sharding` implements it (DDP, FSDP, DeepSpeed ZeRO, tensor parallel):
+    :func:`~batchfit.engine.driver.drive_step` enters :meth:`session` around the whole trace, builds the module
+    with :meth:`build` while the tracer records (so memory created or freed while
+    wrapping is seen), calls :meth:`attach` once the step's runner exists and, with
+    :attr:`whole_steps`, :meth:`before_step` before each of the two traced steps.
+    """
+
+    def session(self) -> contextlib.AbstractContextManager[Any]:
+        """The process-wide state the trace needs (a fake process group), undone after."""
+
+    def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
+              float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
+        """The module the step runs, with fake tensors, from a model built on meta (or the
+        user's module, which must not be changed: copy it)."""
+
+    def watched(self, module: nn.Module) -> nn.Module:
+        """The module whose submodules name memory (DDP's wrapped module)."""
+
+    def attach(self, runner: Any, tracer: Tracer) -> None:
+        """Set up what the step needs once its runner (and optimizer) exist."""
+
+    def before_step(self, index: int) -> None:
+        """Called before traced training step ``index`` (0: the first, 1: the steady)."""
+
+    def finish(self, trace: StepTrace) -> StepTrace:
+        """The trace as the device sees it (an offload takes host memory off it)."""
+
+    #: True: trace two whole training steps (DDP rebuilds its buckets in the second;
+    #: DeepSpeed's engine runs its own optimizer). False: one forward and backward, and
+    #: the optimizer on meta twins of the (local, sharded) parameters, as for one GPU.
+    whole_steps: bool
+
+
+@dataclass
+class PreparedModule:
+    """The fake module a step runs, and how its storages came to be."""
+
+    module: nn.Module
+    #: quantized weights' state outside the parameters (absmax blocks, code books)
+    stored_weights: list[torch.Tensor] = field(default_factory=list)
+    #: built while the tracer recorded: its storages are known and only change category
+    built_under_tracer: bool = False
+
+
+class ModulePreparer(Protocol):
+    """Turns the model into the fake module the traced step runs."""
+
+    def prepare(self, fake_mode: Any, tracer: Tracer, float_dtype: torch.dtype | None,
+                training: bool) -> PreparedModule:
+        """The module, with fake tensors, in ``float_dtype`` (None: as built)."""
+
+
+@dataclass
+class PlainModule:
+    """A fake copy of the model built on meta (``owned``: built for this trace alone, so
+    it may be consumed), with activation checkpointing if the config asks."""
+
+    base: nn.Module
+    owned: bool
+    config: TrainConfig
+
+    def prepare(self, fake_mode: Any, tracer: Tracer, float_dtype: torch.dtype | None,
+                training: bool) -> PreparedModule:
+        from batchfit.engine.fake import enable_checkpointing, fake_copy
+
+        twin = fake_copy(self.base, fake_mode, float_dtype=float_dtype,
+                         channels_last=self.config.channels_last, owned=self.owned)
+        if self.config.checkpointing and training:
+            enable_checkpointing(twin, self.config.use_reentrant)
+        return PreparedModule(twin)
+
+
+@dataclass
+class WorkloadModule:
+    """The model with the config's LLM workload applied (:func:`workload_model`), as a
+    fake copy with its quantization state; checkpointing as the config asks, unless the
+    workload's preparation turned it on already."""
+
+    model: Any
+    config: TrainConfig
+    device: Target
+    reuse: TraceReuse | None
+
+    def prepare(self, fake_mode: Any, tracer: Tracer, float_dtype: torch.dtype | None,
+                training: bool) -> PreparedModule:
+        from batchfit.engine.fake import enable_checkpointing, fake_copy
+        from batchfit.engine.workloads.quantstate import install_fake_quant_state
+
+        source, attributes = workload_model(self.model, self.config, self.reuse)
+        twin = fake_copy(source, fake_mode, channels_last=self.config.channels_last)
+        stored = install_fake_quant_state(twin, attributes, fake_mode, self.device.is_cuda)
+        if self.config.checkpointing and training and not workload_checkpointing(self.config):
+            enable_checkpointing(twin, self.config.use_reentrant)
+        return PreparedModule(twin, stored)
+
+
+@dataclass
+class ShardedModule:
+    """One rank of a sharding strategy: its :class:`StepTransform` builds (and wraps) the
+    module while the tracer records, so memory made or freed while wrapping is seen."""
+
+    base: nn.Module
+    transform: StepTransform
+    config: TrainConfig
+
+    def prepare(self, fake_mode: Any, tracer: Tracer, float_dtype: torch.dtype | None,
+                training: bool) -> PreparedModule:
+        from batchfit.errors import BatchfitError
+
+        try:
+            with fake_mode, tracer:
+                twin = self.transform.build(self.base, fake_mode, tracer, float_dtype,
+                                            self.config.checkpointing and training)
+        except BatchfitError:
+            raise
+        except Exception as exc:
+            raise translate_error(exc, tracer, self.base, Phase.SETUP) from exc
+        return PreparedModule(twin, built_under_tracer=True)
+
+
+def module_preparer(model: Any, base: Any, owned: bool, config: TrainConfig, device: Target,
+                    reuse: TraceReuse | None, transform: StepTransform | None
+                    ) -> ModulePreparer:
+    """The preparer for this step: ``base`` is the model built on meta (None with an LLM
+    workload, which builds its own from ``model``)."""
+    from batchfit.errors import InvalidInputError
+
+    workload = config.workload
+    if workload is not None and workload.loss.value == "chunked" and not device.is_cuda:
+        raise InvalidInputError(
+            "--loss chunked is Liger-Kernel's fused cross-entropy, whose Triton kernels run "
+            "on GPUs only: use a GPU target (--gpu NAME) or --loss standard")
+    if workload is not None and transform is not None:
+        raise InvalidInputError(
+            "LLM workloads (--lora, --quant, --loss chunked) are not traced under a sharding "
+            "strategy yet: drop --strategy/--world-size, or the workload options")
+    if transform is not None:
+        return ShardedModule(base, transform, config)
+    if workload is not None:
+        return WorkloadModule(model, config, device, reuse)
+    return PlainModule(base, owned, config)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchfit.engine.driver import StepTransform, Target, drive_step
-from batchfit.engine.prepare import TraceReuse
+from batchfit.engine.driver import drive_step
+from batchfit.engine.prepare import StepTransform, TraceReuse
 from batchfit.engine.spec import TrainConfig
 from batchfit.engine.step_trace import StepTrace, alive_at_end
+from batchfit.engine.target import Target
 
 __all__ = ["StepTrace", "StepTransform", "TraceReuse", "alive_at_end", "trace_step"]
 
