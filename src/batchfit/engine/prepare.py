@@ -46,7 +46,7 @@ class TraceReuse:
         self.optimizer_steady: tuple[Event, ...] | None = None
         self.host_backed_bytes = 0
 
-    def build_model(self, model: Any, config: Any = None) -> None:
+    def build_model(self, model: Any, config: TrainConfig | None = None) -> None:
         """Build a factory's model on meta now, not at the first trace: a worker forked
         after this inherits it instead of building its own (ResNet-50: ~0.15 s). With an
         LLM workload in ``config``, apply it too (quantization, peft: seconds for an 8B
@@ -69,7 +69,7 @@ def meta_model(model: Any, reuse: TraceReuse | None, precision: str | None = Non
     return reuse.meta_model
 
 
-def workload_model(model: Any, config: Any, reuse: TraceReuse | None) -> tuple[Any, dict]:
+def workload_model(model: Any, config: TrainConfig, reuse: TraceReuse | None) -> tuple[Any, dict]:
     """The meta model with ``config``'s LLM workload applied (quantized, prepared, adapted),
     and the bitsandbytes attributes a fake copy of it must get back; built once per reuse.
 
@@ -113,7 +113,7 @@ def workload_model(model: Any, config: Any, reuse: TraceReuse | None) -> tuple[A
     return built
 
 
-def workload_checkpointing(config: Any) -> bool:
+def workload_checkpointing(config: TrainConfig) -> bool:
     """Whether the workload already turned checkpointing on (peft's
     ``prepare_model_for_kbit_training`` does, with the given ``use_reentrant``)."""
     return config.quant is not None and config.quant.prepare
