@@ -27,9 +27,9 @@ Known limitations:
       convolutions, transposed convolutions and fused attention are not
       quantized. A GPU profile has no per-kind curves: small or odd-shaped
       kernels run below the flat 75% of peak.
-    * Fused attention (flash, memory-efficient) is traced through its math
-      path on a GPU target: FLOPs are right, bytes include the s x s matrix
-      that a fused kernel keeps on chip.
+    * Fused attention (flash, memory-efficient, cuDNN) on a GPU target is one
+      op per call with torch's FLOP formula (causal masking not discounted) and
+      the bytes of its inputs and outputs, timed at the profile's matmul rate.
     * CPU rates are curves over one feature (intensity, or bytes): two
       convolutions of the same intensity but other channel counts can run 1.3x
       apart. Grouped, depthwise and 1x1 convolutions are timed on the 3x3
