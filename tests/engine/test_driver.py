@@ -58,6 +58,11 @@ def _mlp():
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
+def _cnn():
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
+                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
 def _optimizer_ops(stack):
     config = TrainConfig(optimizer="adamw", stack=stack)
     ops = trace_op_costs(_mlp, (32,), 4, config, device="V100")
@@ -124,12 +129,14 @@ def test_predict_throughput_traces_each_step_once(monkeypatch):
 
     monkeypatch.setattr(StepRunner, "forward_loss", counting)
     config = TrainConfig(optimizer="adamw", precision="amp-bf16")
-    prediction = predict_throughput(_mlp, (32,), config, gpu="A100", max_batch_limit=64)
+    prediction = predict_throughput(_cnn, (3, 64, 64), config, gpu="A100", max_batch_limit=64)
     assert runs and set(runs.values()) == {1}, runs
     assert {4, 5, 8} <= set(runs)
     at = {p.batch_size: p.peak_bytes for p in prediction.points}
+    # Before, batch 4 read the max-batch solve's smallest traced batch (np.interp clamps):
+    # 578,813,952 B where the step at 4 needs 562,036,736 B.
     for batch_size in (4, 8):
-        expected = batchfit.estimate(_mlp, (32,), batch_size, config,
+        expected = batchfit.estimate(_cnn, (3, 64, 64), batch_size, config,
                                      device=prediction.device).total_bytes
         assert at[batch_size] == expected
 
