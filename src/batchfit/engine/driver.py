@@ -81,7 +81,7 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
 
     workload = config.workload
     base, owned = None, False
-    if workload is None:  # a workload's model is built (and transformed) by _workload_model
+    if workload is None:  # a workload's model is built (and transformed) by its preparer
         with ti.preserved_global_state():
             base = meta_model(model, reuse, config.precision.value)
             owned = not isinstance(base, nn.Module) and callable(base)  # a factory, no reuse
@@ -187,31 +187,23 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
         finally:
             for hook in grad_hooks:
                 hook.remove()
-    events = tracer.events
+    events = tuple(tracer.events)
     if reuse is not None and tracer.host_backed_bytes:
         reuse.host_backed_bytes = tracer.host_backed_bytes
     host_backed = tracer.host_backed_bytes or (reuse.host_backed_bytes if reuse else 0)
-    if training and whole_steps:
+    if not training:
+        first = steady = tuple(events[:end])
+    elif whole_steps:
         first = tuple(events[:marks[0]])
         steady = as_setup(alive_at_end(first)) + tuple(events[marks[0]:end])
-    elif training:
-        fwd_bwd_end = marks[0]
-        if optimizer_events is None and reuse is not None and reuse.optimizer_first is not None:
-            opt_first, opt_steady = reuse.optimizer_first, reuse.optimizer_steady
-        elif optimizer_events is not None:
-            opt_first, opt_steady = optimizer_events
-            if reuse is not None:
-                reuse.optimizer_first, reuse.optimizer_steady = opt_first, opt_steady
-        else:
-            opt_first = tuple(events[fwd_bwd_end:marks[1]])
-            opt_steady = tuple(events[marks[1]:end])
-            if reuse is not None:
-                reuse.optimizer_first, reuse.optimizer_steady = opt_first, opt_steady
-        first = tuple(events[:fwd_bwd_end]) + opt_first
-        steady = (tuple(events[:setup_end]) + as_setup(alive_at_end(opt_first))
-                  + tuple(events[setup_end:fwd_bwd_end]) + opt_steady)
     else:
-        first = steady = tuple(events[:end])
+        if cached:
+            optimizer_events = reuse.optimizer_first, reuse.optimizer_steady
+        elif optimizer_events is None:  # traced on the fake twin, after forward and backward
+            optimizer_events = tuple(events[marks[0]:marks[1]]), tuple(events[marks[1]:end])
+        if reuse is not None:
+            reuse.optimizer_first, reuse.optimizer_steady = optimizer_events
+        first, steady = _spliced(events[:marks[0]], setup_end, *optimizer_events)
     traced = StepTrace(
         steady_events=steady, first_events=first, batch_size=batch_size,
         custom_ops=dict(tracer.custom_ops),
@@ -222,6 +214,17 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
         kernel_limit=_kernel_limit(tracer, emulation),
         host_backed_bytes=host_backed)
     return transform.finish(traced) if transform is not None else traced
+
+
+def _spliced(forward_backward: tuple[Event, ...], setup_end: int,
+             optimizer_first: tuple[Event, ...], optimizer_steady: tuple[Event, ...]
+             ) -> tuple[tuple[Event, ...], tuple[Event, ...]]:
+    """(first step, steady step) from one forward and backward and the two optimizer steps:
+    the steady step starts with the first optimizer step's state alive (as set-up)."""
+    first = forward_backward + optimizer_first
+    steady = (forward_backward[:setup_end] + as_setup(alive_at_end(optimizer_first))
+              + forward_backward[setup_end:] + optimizer_steady)
+    return first, steady
 
 
 def _emulation(config: TrainConfig, device: Target, tracer: Tracer) -> tuple[Any, Any]:
