@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from batchfit.engine import _torch_internals as ti
-from batchfit.engine.fake import enable_checkpointing, fake_twin, meta_copy, swap_to_fake
+from batchfit.engine.fake import enable_checkpointing, fake_twin, meta_copy
 from batchfit.engine.spec import Precision
 from batchfit.engine.tracer import Category, Tracer
 from batchfit.sharding.layout import Offload, Parallelism, Strategy

@@ -221,8 +221,8 @@ class ZeroTransform:
 
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
               float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
-        from batchfit.engine.tracer import Phase
         from batchfit.engine.fake import fake_twin
+        from batchfit.engine.tracer import Phase
 
         self.tracer = tracer
         # DeepSpeed's offload checks each gradient for overflow during backward
