@@ -149,7 +149,7 @@ def test_optimizer_phase_on_meta_twins_matches_the_fake_twin_event_for_event(
     # (On a CUDA target the meta path also drops host tensors, which the fake twin cannot
     # tell apart; that is switched off here and checked in the next test.)
     from batchfit.device.profile import resolve_device
-    from batchfit.engine import trace as trace_module
+    from batchfit.engine import driver as trace_module  # the driver runs the trace
 
     monkeypatch.setattr(trace_module, "Tracer", _AllDevicesTracer)
     profile = resolve_device(device)
@@ -169,9 +169,9 @@ def test_optimizer_phase_on_meta_twins_matches_the_fake_twin_event_for_event(
                       "adafactor"):
         config = TrainConfig(optimizer=optimizer, precision=precision, channels_last=True)
         monkeypatch.setattr(trace_module, "_trace_optimizer_on_meta", spy)
-        fast = trace_module.trace_step(_OptimizerPhaseModel, (3, 12, 12), 4, config, profile)
+        fast = trace_module.drive_step(_OptimizerPhaseModel, (3, 12, 12), 4, config, profile)
         monkeypatch.setattr(trace_module, "_trace_optimizer_on_meta", lambda *args: None)
-        fake = trace_module.trace_step(_OptimizerPhaseModel, (3, 12, 12), 4, config, profile)
+        fake = trace_module.drive_step(_OptimizerPhaseModel, (3, 12, 12), 4, config, profile)
         assert events(fast) == events(fake), optimizer
         assert fast.largest_tensor == fake.largest_tensor
     assert used_meta == [True] * 8
@@ -200,13 +200,13 @@ def test_step_counts_are_host_memory_on_a_gpu(monkeypatch, optimizer):
     from collections import Counter
 
     from batchfit.device.profile import resolve_device
-    from batchfit.engine import trace as trace_module
+    from batchfit.engine import driver as trace_module  # the driver runs the trace
 
     config = TrainConfig(optimizer=optimizer, precision="amp-fp16")
     profile = resolve_device("A100-80GB")
-    gpu = trace_module.trace_step(_OptimizerPhaseModel, (3, 12, 12), 4, config, profile)
+    gpu = trace_module.drive_step(_OptimizerPhaseModel, (3, 12, 12), 4, config, profile)
     monkeypatch.setattr(trace_module, "Tracer", _AllDevicesTracer)
-    every = trace_module.trace_step(_OptimizerPhaseModel, (3, 12, 12), 4, config, profile)
+    every = trace_module.drive_step(_OptimizerPhaseModel, (3, 12, 12), 4, config, profile)
 
     def events(trace):
         return Counter((e.kind, e.nbytes, e.category, e.phase) for e in trace.steady_events)
@@ -234,7 +234,7 @@ def test_an_optimizer_that_cannot_run_on_meta_is_traced_on_the_fake_twin():
     # fused=True asks for a real device type, which meta is not: the phase falls back to
     # the fake twin (CPU fake tensors) and still counts Adam's two moments:
     # 2 * (10 * 64 + 10) * 4 bytes, plus a float32 step scalar for each of the 2 parameters.
-    from batchfit.engine.trace import _trace_optimizer_on_meta
+    from batchfit.engine.driver import _trace_optimizer_on_meta
     from batchfit.engine.tracer import Tracer
 
     config = TrainConfig(optimizer="adam", optimizer_kwargs={"fused": True},

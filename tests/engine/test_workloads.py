@@ -87,7 +87,7 @@ def _parameter_bytes(trace):
 
 
 def test_quantized_layout_by_hand():
-    from batchfit.engine.trace import _workload_model
+    from batchfit.engine.prepare import workload_model as _workload_model
     from batchfit.engine.workloads.quantstate import layout_of
 
     weights = [o * i for o, i in LINEARS] * LAYERS

@@ -48,7 +48,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Mapping
 
-from batchfit.device.allocator import (
+from batchfit.device.allocator_rules import (
     LARGE_BUFFER_BYTES,
     MIN_BLOCK_BYTES,
     NULL_HANDLE,

@@ -198,3 +198,14 @@ def enable_checkpointing(model: nn.Module, use_reentrant: bool = False) -> None:
         raise InvalidInputError(
             f"{type(model).__name__} has no built-in activation checkpointing: "
             "wrap its blocks in torch.utils.checkpoint.checkpoint yourself and drop --checkpointing")
+
+
+def fake_twin(meta_model: nn.Module, fake_mode: Any, float_dtype: torch.dtype | None,
+              checkpointing: bool) -> nn.Module:
+    """A fake copy of ``meta_model`` (in ``float_dtype``; with activation checkpointing if
+    asked), for a preparer that wraps the module itself (a sharding strategy)."""
+    twin = meta_copy(meta_model, float_dtype)
+    if checkpointing:
+        enable_checkpointing(twin)
+    swap_to_fake(twin, fake_mode)
+    return twin

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchfit.engine.keras_detect import is_keras_model, keras_module  # noqa: F401 - re-exported
 from batchfit.errors import InvalidInputError, ModelSpecError
 
 #: batchfit precision -> the Keras dtype policy that does it; fp32 and tf32 keep the
@@ -64,18 +64,6 @@ _KERAS_OPTIMIZERS = {
 
 
 # -- recognising Keras ------------------------------------------------------------------
-
-def keras_module() -> Any | None:
-    """The ``keras`` module if it has been imported (never imports it)."""
-    return sys.modules.get("keras")
-
-
-def is_keras_model(obj: Any) -> bool:
-    """``obj`` is a ``keras.Model`` (any backend); False when Keras is not imported."""
-    keras = keras_module()
-    model_class = getattr(keras, "Model", None) if keras is not None else None
-    return isinstance(model_class, type) and isinstance(obj, model_class)
-
 
 def keras_backend() -> str | None:
     keras = keras_module()

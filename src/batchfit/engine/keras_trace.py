@@ -1,6 +1,6 @@
 """Trace a Keras 3 model's step (torch backend): Keras's own ``train_step`` on its
 variables rebound to fake tensors, recorded by the same :class:`~batchfit.engine.tracer.Tracer`
-as a torch step. :func:`batchfit.engine.trace.trace_step` hands a Keras model here; the
+as a torch step. :func:`batchfit.engine.driver.drive_step` hands a Keras model here; the
 Keras-specific pieces (building on meta, rebinding variables, the step runner, layer
 names) are in :mod:`batchfit.engine.keras_step`.
 """
@@ -8,17 +8,21 @@ names) are in :mod:`batchfit.engine.keras_step`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from batchfit.engine import _torch_internals as ti
-from batchfit.engine.trace import _SHAPE_WORDS, StepTrace, TraceReuse, _translate_error
+from batchfit.engine.observers import StepObserver, observing
+from batchfit.engine.prepare import TraceReuse
+from batchfit.engine.spec import TrainConfig
+from batchfit.engine.step_trace import SHAPE_WORDS, StepTrace, translate_error
+from batchfit.engine.target import Target
 from batchfit.engine.tracer import Category, Phase, Tracer
 
 
-def prepared_keras(base: Any, is_users: bool, inputs: Any, config: Any,
+def prepared_keras(base: Any, is_users: bool, inputs: Any, config: TrainConfig,
                     reuse: TraceReuse | None) -> tuple[Any, Any, Any]:
     """(Keras model on meta, ready to trace; its input spec; its target spec), prepared
     once per :class:`TraceReuse`. The user's own Keras model is never traced: a copy of
@@ -65,7 +69,7 @@ def _input_checked(meta: Any) -> Iterator[None]:
         yield
     except ValueError as exc:
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-        if not any(word in first_line.lower() for word in _SHAPE_WORDS):
+        if not any(word in first_line.lower() for word in SHAPE_WORDS):
             raise
         declared = keras_step.input_spec(meta)
         shape = declared.shape if isinstance(declared, TensorSpec) else None
@@ -75,9 +79,10 @@ def _input_checked(meta: Any) -> Iterator[None]:
                               expected=shape) from exc
 
 
-def trace_keras_step(base: Any, is_users: bool, inputs: Any, batch_size: int, config: Any,
-                      device: Any, reuse: TraceReuse | None) -> StepTrace:
-    """:func:`trace_step` for a Keras 3 model: Keras's own ``train_step`` once, on its
+def trace_keras_step(base: Any, is_users: bool, inputs: Any, batch_size: int,
+                     config: TrainConfig, device: Target, reuse: TraceReuse | None,
+                     observers: Sequence[StepObserver] = ()) -> StepTrace:
+    """:func:`~batchfit.engine.driver.drive_step` for a Keras 3 model: Keras's own ``train_step`` once, on its
     variables rebound to fake tensors (:mod:`batchfit.engine.keras_step`), starting from
     the steady state: optimizer and metric state built (as ``fit`` builds them before its
     first step) and the previous step's gradients alive (Keras frees them only after the
@@ -85,7 +90,8 @@ def trace_keras_step(base: Any, is_users: bool, inputs: Any, batch_size: int, co
     differs from the steady one in nothing else, so one step is traced, not two (a
     ResNet-50 step is 17,000 fake dispatches). Keras's mixed precision is its own, so no
     autocast is added; on a CUDA target the rest of the CUDA emulation (attention
-    kernels, the decomposed ops) applies as for any model."""
+    kernels, the decomposed ops) applies as for any model. ``observers`` watch the one
+    step, which is the steady one."""
     from batchfit.engine import keras_step
     from batchfit.engine.spec import Mode
     from batchfit.errors import BatchfitError
@@ -127,7 +133,7 @@ def trace_keras_step(base: Any, is_users: bool, inputs: Any, batch_size: int, co
         emulation_ctx = emulation if emulation is not None else contextlib.nullcontext()
         try:
             with fake_mode, emulation_ctx, tracer, keras_step.trace_device(device.is_cuda), \
-                    keras_step.garbage_collected_per_layer(meta):
+                    keras_step.garbage_collected_per_layer(meta), observing(observers):
                 if training:
                     runner.train_step()
                 else:
@@ -135,8 +141,8 @@ def trace_keras_step(base: Any, is_users: bool, inputs: Any, batch_size: int, co
                 end = len(tracer.events)
         except BatchfitError:
             raise
-        except Exception as exc:  # noqa: BLE001 - translated into one clear line
-            raise _translate_error(exc, tracer, meta, tracer.phase) from exc
+        except Exception as exc:
+            raise translate_error(exc, tracer, meta, tracer.phase) from exc
         finally:
             for hook in grad_hooks:
                 hook.remove()

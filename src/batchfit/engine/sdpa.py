@@ -317,6 +317,24 @@ def _math_attention(query, key, value, bias, is_causal, scale, enable_gqa):
         query, key, value, bias, 0.0, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
 
 
+#: Callbacks told of every fused attention call (:func:`watching_fused_attention`).
+_WATCHERS: list[Any] = []
+
+
+@contextlib.contextmanager
+def watching_fused_attention(callback: Any) -> Any:
+    """Call ``callback(backend, backward, inputs, outputs)`` for every fused attention
+    kernel the emulation runs while inside: ``inputs`` are (query, key, value) forward and
+    (grad_out, query, key, value, out, lse) backward, ``outputs`` (out, lse) and (dq, dk, dv).
+    On fake tensors the emulated kernel runs no arithmetic op, so an observer that counts
+    work (:mod:`batchfit.speed.op_costs`) learns of the kernel here."""
+    _WATCHERS.append(callback)
+    try:
+        yield
+    finally:
+        _WATCHERS.remove(callback)
+
+
 class _FusedAttention(torch.autograd.Function):
     """Flash, memory-efficient or cuDNN attention, as far as memory goes.
 
@@ -362,6 +380,8 @@ class _FusedAttention(torch.autograd.Function):
                 out.copy_(_math_attention(query, key, value, bias, is_causal, scale,
                                           enable_gqa))
         del accumulator
+        for watch in _WATCHERS:
+            watch(backend, False, (query, key, value), (out, lse))
         kept_bias = bias if backend is not SdpaBackend.FLASH else None
         ctx.save_for_backward(query, key, value, out, lse, kept_bias)
         ctx.options = (is_causal, scale, enable_gqa, backend)
@@ -380,6 +400,8 @@ class _FusedAttention(torch.autograd.Function):
                 for grad, computed in zip(grads, torch.autograd.grad(result, inputs, grad_out)):
                     grad.copy_(computed)
         del scratch
+        for watch in _WATCHERS:
+            watch(backend, True, (grad_out, query, key, value, _out, _lse), tuple(grads))
         needs = ctx.needs_input_grad
         return (*(g if need else None for g, need in zip(grads, needs)),
                 None, None, None, None, None)

@@ -47,6 +47,7 @@ from batchfit.engine.kernels import (
 )
 from batchfit.engine.limits import RULES as LIMIT_RULES
 from batchfit.engine.limits import KernelLimit, check_op, worst
+from batchfit.engine.target import Target
 
 #: The ops a benchmarked cuDNN convolution's workspace is modelled for (engine/cudnn.py).
 _CONVOLUTIONS = frozenset({"aten.convolution.default", "aten.convolution_backward.default"})
@@ -148,7 +149,7 @@ class Tracer:
     """
 
     def __init__(self, in_op_scratch: bool = False, cuda_target: bool = False,
-                 device_type: str | None = None, device: Any = None,
+                 device_type: str | None = None, device: Target | None = None,
                  fake_mode: Any = None, stack: Any = None,
                  cudnn_benchmark: tuple[int, int] | None = None) -> None:
         self.events: list[Event] = []

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchfit.engine.spec import InputSpec, TensorSpec
 from batchfit.errors import ModelSpecError
-from batchfit.models.resolve import ModelSpec, _one_line, _token_tensor
+from batchfit.models.modelspec import ModelSpec, _one_line, _token_tensor
 
 if TYPE_CHECKING:
     from torch import nn

@@ -63,7 +63,6 @@ import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,54 +70,16 @@ from batchfit.engine.spec import InputSpec, TensorSpec, parse_enum
 from batchfit.errors import BatchfitError, InvalidInputError, ModelSpecError
 from batchfit.models import hub
 from batchfit.models.hf_configs import find_hf_config, hf_config_names
+from batchfit.models.modelspec import (  # noqa: F401 - re-exported: resolve's API
+    HFTask,
+    ModelSpec,
+    _one_line,
+    _tensor_specs,
+    _token_tensor,
+)
 
 if TYPE_CHECKING:
     from torch import nn
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A resolved model: how to build it and what it eats.
-
-    Attributes:
-        name: the user's spec string.
-        factory: builds the module; call it under ``with torch.device("meta")``.
-        input_spec: the per-sample input, when the spec implies one (None: the user must say).
-        loss_fn: ``loss_fn(output, batch) -> scalar``; None means the engine's default rules.
-        is_token_model: the input holds token ids with a sequence axis (``--seq-len`` applies).
-        vocab_size: token id range of a token model.
-        default_seq_len: the model's default sequence length (``input_spec`` holds the one
-            in use, after any ``seq_len`` override).
-        hf_labels: the batch carries ``labels`` so the HF model computes its own loss.
-        max_positions: the model's context length from its config (HF models).
-        keras_compiled: for a Keras 3 model, whether its factory compiles it (its own
-            optimizer and loss are then used); None for other models.
-        hf_task: the head a ``transformers`` model is built with; None for other models.
-        hf_task_chosen: the head was chosen from the config (no ``task=`` given), so a
-            caller says which.
-    """
-
-    name: str
-    factory: Callable[[], nn.Module]
-    input_spec: InputSpec | None
-    loss_fn: Callable | None = None
-    is_token_model: bool = False
-    vocab_size: int | None = None
-    default_seq_len: int | None = None
-    hf_labels: bool = False
-    max_positions: int | None = None
-    keras_compiled: bool | None = None
-    hf_task: HFTask | None = None
-    hf_task_chosen: bool = False
-
-
-class HFTask(StrEnum):
-    """Which head a ``transformers`` model is built with."""
-
-    CAUSAL_LM = "causal-lm"
-    MASKED_LM = "masked-lm"
-    SEQ2SEQ_LM = "seq2seq-lm"
-    SEQUENCE_CLASSIFICATION = "sequence-classification"
 
 
 _AUTO_CLASS = {
@@ -179,7 +140,7 @@ def resolve_model(spec: str, *, model_kwargs: Mapping[str, Any] | None = None,
         input_shape = TensorSpec(tuple(input_shape)).shape  # validates the dimensions
     prefix, _, rest = text.partition(":")
     prefix = prefix.lower()
-    from batchfit.models import files  # it builds on this module's ModelSpec
+    from batchfit.models import files
 
     if files.is_file_spec(text):
         resolved = files.resolve_file(text, kwargs)
@@ -263,12 +224,6 @@ def _suggest(name: str, candidates: Sequence[str], prefix: str = "") -> str:
     """``: did you mean 'x'?`` for the closest candidate, or an empty string."""
     match = difflib.get_close_matches(name.lower(), list(candidates), n=1, cutoff=0.6)
     return f": did you mean '{prefix}{match[0]}'?" if match else ""
-
-
-def _one_line(exc: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(exc).split()) or "(no message)"
-    text = text if len(text) <= limit else text[: limit - 3] + "..."
-    return f"{type(exc).__name__}: {text}"
 
 
 def _build_guarded(what: str, build: Callable[..., nn.Module], *args: Any) -> nn.Module:
@@ -640,24 +595,6 @@ def _build_hf(config: Any, task: HFTask, attn: str | None) -> nn.Module:
         if attn != "sdpa" or ("sdpa" not in text and "scaled_dot_product" not in text):
             raise
     return auto.from_config(config, attn_implementation="eager", **dtype_kwarg)
-
-
-def _tensor_specs(input_spec: InputSpec | None) -> list[TensorSpec]:
-    if input_spec is None:
-        return []
-    if isinstance(input_spec, TensorSpec):
-        return [input_spec]
-    if isinstance(input_spec, Mapping):
-        return list(input_spec.values())
-    return list(input_spec)
-
-
-def _token_tensor(input_spec: InputSpec | None) -> TensorSpec | None:
-    """The first batched integer tensor with a sequence axis (token ids), if any."""
-    for spec in _tensor_specs(input_spec):
-        if spec.is_integer and spec.batched and spec.dtype != "bool" and len(spec.shape) >= 1:
-            return spec
-    return None
 
 
 # --------------------------------------------------------------------------- bare names

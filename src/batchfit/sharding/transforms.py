@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from batchfit.engine import _torch_internals as ti
-from batchfit.engine.fake import enable_checkpointing, meta_copy, swap_to_fake
+from batchfit.engine.fake import enable_checkpointing, fake_twin, meta_copy
 from batchfit.engine.spec import Precision
 from batchfit.engine.tracer import Category, Tracer
 from batchfit.sharding.layout import Offload, Parallelism, Strategy
@@ -153,15 +153,6 @@ class _Transform:
         return trace
 
 
-def _fake_twin(meta_model: nn.Module, fake_mode: Any, float_dtype: torch.dtype | None,
-               checkpointing: bool) -> nn.Module:
-    twin = meta_copy(meta_model, float_dtype)
-    if checkpointing:
-        enable_checkpointing(twin)
-    swap_to_fake(twin, fake_mode)
-    return twin
-
-
 # ---------------------------------------------------------------------------------- DDP
 
 
@@ -182,7 +173,7 @@ class DDPTransform(_Transform):
         import torch.nn.parallel.distributed as ddp_module
 
         self._follow(tracer)
-        twin = _fake_twin(meta_model, fake_mode, float_dtype, checkpointing)
+        twin = fake_twin(meta_model, fake_mode, float_dtype, checkpointing)
         self._bucket_kind = (Category.GRADIENTS if self.layout.gradient_as_bucket_view
                              else Category.COMMUNICATION)
         check = ddp_module._verify_param_shape_across_processes
@@ -383,7 +374,7 @@ class FSDP1Transform(_Transform):
 
         self._follow(tracer)
         mark = len(tracer.events)
-        twin = _fake_twin(meta_model, fake_mode, float_dtype, checkpointing)
+        twin = fake_twin(meta_model, fake_mode, float_dtype, checkpointing)
         offload = self.layout.offload is Offload.PARAMS and not self.host_is_device
         built: set[int] = set()
         if offload:

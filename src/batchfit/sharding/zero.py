@@ -221,13 +221,13 @@ class ZeroTransform:
 
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
               float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
+        from batchfit.engine.fake import fake_twin
         from batchfit.engine.tracer import Phase
-        from batchfit.sharding.transforms import _fake_twin
 
         self.tracer = tracer
         # DeepSpeed's offload checks each gradient for overflow during backward
         tracer.item_phases = tracer.item_phases | {Phase.BACKWARD}
-        twin = _fake_twin(meta_model, fake_mode, float_dtype, checkpointing)
+        twin = fake_twin(meta_model, fake_mode, float_dtype, checkpointing)
         twin.to = lambda *args, **kwargs: twin  # fake parameters cannot be swapped in place
         return twin
 

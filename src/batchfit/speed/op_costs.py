@@ -1,8 +1,11 @@
 """The ops of a step and what each costs, as functions of the batch size.
 
-The step (the one :mod:`batchfit.engine.step` defines) runs once on fake tensors, as
-:func:`batchfit.engine.trace.trace_step` runs it, under ``torch.utils.flop_counter.
-FlopCounterMode``. Every aten op that launches work becomes an :class:`OpCost`:
+The step (the one :mod:`batchfit.engine.step` defines) runs once on fake tensors, in the
+step driver (:func:`batchfit.engine.driver.drive_step`) that also records its memory: the
+same preparers (LLM workload, Keras, sharding), library context, stack and CUDA emulation.
+The op-cost recorder here is one of the driver's observers, counting under
+``torch.utils.flop_counter``'s formulas. Every aten op that launches work becomes an
+:class:`OpCost`:
 its kind (:class:`~batchfit.speed.rates.OpKind`: matmul; convolution forward or backward, at stride 1
 or strided; fused attention, batch norm and layer norm, forward or backward;
 other), its FLOPs (the counter's formulas), the bytes it moves (its tensor
@@ -20,15 +23,19 @@ affine (a B x B similarity matrix) is traced at each requested batch instead.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchfit.engine.spec import TrainConfig, make_config
 from batchfit.errors import InvalidInputError
 from batchfit.speed.gemm import gemm_waves, pad_to, tile_extent
 from batchfit.speed.rates import OP_KINDS, OpKind, RooflineProfile, op_kind
+
+if TYPE_CHECKING:
+    from batchfit.engine.step_trace import StepTrace
 
 #: The step is traced at these batch sizes to fit costs affine in the batch (see docstring).
 FIT_BATCHES = (4, 5, 8)
@@ -94,7 +101,8 @@ def _extra_flop_formulas() -> dict[Any, Any]:
 
 
 def _raw_formula(formula: Any) -> Any:
-    """A registered (already shape-wrapped) formula, marked so the counter does not wrap it again."""
+    """A registered (already shape-wrapped) formula, marked so ``FlopCounterMode`` does not
+    wrap it again (the CPU profile counts with the mode)."""
     def count(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
         return formula(*args, out_val=out_val, **kwargs)
 
@@ -148,46 +156,38 @@ def _gemm_shapes(packet: Any, args: tuple, out: Any) -> tuple[GemmShape, ...]:
     return ()
 
 
-def _scalar_placeholder(func: Any, args: tuple) -> Any:
-    """``.item()`` of a value a fake tensor does not know gets 1 (Keras's optimizers pass
-    the learning rate tensor as a scalar ``alpha``; it sets no shape, so no cost), as the
-    memory trace's optimizer phase does (:meth:`batchfit.engine.tracer.Tracer._shortcut`)."""
-    import torch
-
-    from batchfit.engine import _torch_internals as ti
-
-    if func is not torch.ops.aten._local_scalar_dense.default:
-        return ti.RUN
-    try:
-        return func(*args)
-    except ti.DataDependentOutputException:
-        dtype = args[0].dtype
-        if dtype.is_floating_point or dtype.is_complex:
-            return 1.0
-        return True if dtype is torch.bool else 1
-
-
 class _CostRecorder:
-    """Turns each aten op into an :class:`OpCost`; FLOPs are the counter's delta per op."""
+    """The op-cost observer of the step driver (:class:`batchfit.engine.observers.StepObserver`):
+    turns each aten op of the steady step into an :class:`OpCost`, its FLOPs from
+    ``FlopCounterMode``'s formulas. The formulas are called directly rather than through
+    the mode, which decomposes ops it has no formula for: the memory tracer below must see
+    the ops the step runs, not their decompositions."""
 
-    def __init__(self, counter: Any, scalar_placeholder: bool = False) -> None:
+    def __init__(self) -> None:
+        from torch.utils.flop_counter import flop_registry
+
         from batchfit.engine import _torch_internals as ti
 
-        self.counter = counter
         self.ops: list[OpCost] = []
         self.recording = True
-        self._flops_seen = 0
+        self._formulas = {**flop_registry, **_extra_flop_formulas()}
         self._free, matmuls, convs = _op_sets()
         self._gemm_ops = matmuls | convs
-        shortcut = _scalar_placeholder if scalar_placeholder else None
-        self.interceptor = ti.OpInterceptor(self._on_output, lambda func, exc: None,
-                                            shortcut=shortcut)
+        self.interceptor = ti.OpInterceptor(self._on_output, lambda func, exc: None)
+
+    def steady(self, flag: bool) -> None:
+        self.recording = flag
+
+    @contextlib.contextmanager
+    def observing(self) -> Iterator[None]:
+        from batchfit.engine.sdpa import watching_fused_attention
+
+        with self.interceptor, watching_fused_attention(self._on_attention):
+            yield
 
     def _on_output(self, func: Any, args: tuple, out: Any) -> None:
         from batchfit.engine import _torch_internals as ti
 
-        total = self.counter.get_total_flops()
-        flops, self._flops_seen = total - self._flops_seen, total
         if not self.recording or getattr(func, "is_view", False) or func in self._free:
             return
         outputs = list(ti.iter_tensors(out))
@@ -196,10 +196,31 @@ class _CostRecorder:
         inputs = list(ti.iter_tensors(args))
         moved = sum(_tensor_bytes(t) for t in inputs) + sum(_tensor_bytes(t) for t in outputs)
         packet = func.overloadpacket
+        formula = self._formulas.get(packet, self._formulas.get(func))
+        flops = formula(*args, out_val=out) if formula is not None else 0
         gemms = _gemm_shapes(packet, args, out) if packet in self._gemm_ops else ()
         self.ops.append(OpCost(str(func), int(flops), int(moved), gemms,
                                _allocated_bytes(inputs, outputs),
                                op_kind(str(func), _strided(packet, args))))
+
+    def _on_attention(self, backend: Any, backward: bool, inputs: tuple, outputs: tuple) -> None:
+        """A fused attention kernel (:func:`batchfit.engine.sdpa.watching_fused_attention`),
+        named and counted as torch's ``_scaled_dot_product_<backend>_attention`` ops."""
+        from torch.utils import flop_counter
+
+        if not self.recording:
+            return
+        if backward:
+            grad_out, query, key, value = inputs[:4]
+            flops = flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape,
+                                                          value.shape)
+        else:
+            query, key, value = inputs
+            flops = flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
+        name = f"aten._scaled_dot_product_{backend.value}_attention{'_backward' if backward else ''}"
+        moved = sum(_tensor_bytes(t) for t in (*inputs, *outputs) if t is not None)
+        self.ops.append(OpCost(f"{name}.default", int(flops), int(moved),
+                               allocated=tuple(_tensor_bytes(t) for t in outputs)))
 
 
 def _strided(packet: Any, args: tuple) -> bool:
@@ -236,10 +257,11 @@ def trace_op_costs(model: Any, inputs: Any, batch_size: int, config: TrainConfig
     already exists (the first optimizer step, which creates it, is not recorded).
 
     Args:
-        model: an ``nn.Module`` (never modified) or a factory.
+        model: an ``nn.Module`` (never modified), a Keras model or a factory.
         inputs: the per-sample input spec.
         device: ``"cpu"``, a catalog GPU name or a DeviceProfile: a CUDA target runs
-            CUDA's autocast policy and foreach optimizers, as the memory trace does.
+            CUDA's autocast policy, attention kernels and the stack's optimizer default,
+            as the memory trace does (it is the same pass: :func:`trace_step_and_costs`).
 
     Example:
         >>> import torch
@@ -247,120 +269,23 @@ def trace_op_costs(model: Any, inputs: Any, batch_size: int, config: TrainConfig
         >>> [(op.op, op.flops, op.gemms[0]) for op in ops if op.gemms]
         [('aten.addmm.default', 65536, GemmShape(m=16, n=32, k=64, count=1))]
     """
-    import contextlib
-
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
     from batchfit.device.profile import resolve_device
-    from batchfit.engine import _torch_internals as ti
-    from batchfit.engine.fake import enable_checkpointing, fake_copy
-    from batchfit.engine.spec import Mode
-    from batchfit.engine.step import (
-        StepRunner,
-        make_batch,
-        normalize_input_spec,
-        torch_dtype,
-    )
 
     config = make_config(config, options)
-    profile = resolve_device(device)
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise InvalidInputError(f"batch size must be a positive integer, not {batch_size!r}")
-    spec = normalize_input_spec(inputs)
-    weight = config.precision.weight_dtype
-    float_dtype = None if weight == "float32" else torch_dtype(weight)
-    amp = config.precision.autocast_dtype
-    training = config.mode is Mode.TRAIN
-    from batchfit.engine.fake import build_on_meta
-    from batchfit.engine.keras_step import is_keras_model
-
-    with ti.preserved_global_state():
-        base = model
-        if callable(model) and not isinstance(model, torch.nn.Module):
-            base = build_on_meta(model, config.precision.value)
-    if is_keras_model(base):
-        return _keras_op_costs(base, base is model, inputs, batch_size, config, profile)
-    fake_mode = ti.new_fake_mode()
-    with ti.preserved_global_state():
-        twin = fake_copy(base, fake_mode, float_dtype=float_dtype,
-                         channels_last=config.channels_last, owned=base is not model)
-        if config.checkpointing and training:
-            enable_checkpointing(twin)
-        generator = torch.Generator().manual_seed(0)
-        with fake_mode:
-            batch = make_batch(spec, batch_size, float_dtype, generator, config.channels_last)
-        emulation: Any = contextlib.nullcontext()
-        autocast = None
-        if profile.is_cuda:
-            from batchfit.engine.cuda_emulation import CudaEmulation
-
-            # sdpa=False: the math path carries attention's FLOPs (see Known limitations)
-            emulation = CudaEmulation(profile.compute_capability, sdpa=False,
-                                      autocast_dtype=torch_dtype(amp) if amp else None)
-            autocast = emulation.autocast_region if amp else None
-        elif amp:
-            amp_dtype = torch_dtype(amp)
-            autocast = lambda: torch.autocast("cpu", dtype=amp_dtype)
-        with fake_mode:
-            runner = StepRunner(twin, config, batch, autocast=autocast, traced=True,
-                                foreach=profile.is_cuda, generator=generator)
-        counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
-        recorder = _CostRecorder(counter)
-        with fake_mode, emulation, counter, recorder.interceptor:
-            if training:
-                runner.forward_backward()
-                recorder.recording = False
-                runner.optimizer_step()  # creates the optimizer state
-                recorder.recording = True
-                runner.optimizer_step()
-            else:
-                runner.infer_step()
-    return tuple(recorder.ops)
+    return trace_step_and_costs(model, inputs, batch_size, config, resolve_device(device))[1]
 
 
-def _keras_op_costs(base: Any, is_users: bool, inputs: Any, batch_size: int, config: Any,
-                    profile: Any) -> tuple[OpCost, ...]:
-    """:func:`trace_op_costs` for a Keras 3 model: Keras's own step in the steady state,
-    as :func:`batchfit.engine.trace.trace_step` traces it (one ``train_step`` with the last
-    step's gradients alive, on its variables rebound to fake tensors)."""
-    import contextlib
+def trace_step_and_costs(model: Any, inputs: Any, batch_size: int, config: TrainConfig,
+                         device: Any, reuse: Any = None) -> tuple[StepTrace, tuple[OpCost, ...]]:
+    """The memory trace (:class:`~batchfit.engine.trace.StepTrace`) and the op costs of one
+    step at ``batch_size``, from one pass of the step driver on ``device`` (a
+    :class:`~batchfit.device.profile.DeviceProfile`)."""
+    from batchfit.engine.driver import drive_step
 
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from batchfit.engine import _torch_internals as ti
-    from batchfit.engine import keras_step
-    from batchfit.engine.keras_trace import prepared_keras
-    from batchfit.engine.spec import Mode
-
-    meta, spec, targets = prepared_keras(base, is_users, inputs, config, None)
-    fake_mode = ti.new_fake_mode()
-    emulation: Any = contextlib.nullcontext()
-    if profile.is_cuda:
-        from batchfit.engine.cuda_emulation import CudaEmulation
-
-        emulation = CudaEmulation(profile.compute_capability, sdpa=False, autocast_dtype=None)
-    training = config.mode is Mode.TRAIN
-    with ti.preserved_global_state(), keras_step.fake_variables(meta, fake_mode) as state:
-        with fake_mode:
-            batch = keras_step.make_data(spec, targets, batch_size,
-                                         torch.Generator().manual_seed(0))
-            if training:
-                for variable in state.trainable:
-                    variable.value.grad = torch.zeros_like(variable.value)
-        runner = keras_step.KerasStepRunner(meta, config, batch, mark_phases=True)
-        counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
-        recorder = _CostRecorder(counter, scalar_placeholder=True)
-        with fake_mode, emulation, counter, recorder.interceptor, \
-                keras_step.trace_device(profile.is_cuda), \
-                keras_step.garbage_collected_per_layer(meta):
-            if training:
-                runner.train_step()
-            else:
-                runner.infer_step()
-        del runner, batch
-    return tuple(recorder.ops)
+    recorder = _CostRecorder()
+    traced = drive_step(model, inputs, batch_size, config, device, reuse,
+                        observers=(recorder,))
+    return traced, tuple(recorder.ops)
 
 
 # -- costs as functions of the batch size ----------------------------------------------------
@@ -462,8 +387,19 @@ def fit_costs(traces: dict[int, Sequence[OpCost]]) -> StepCosts | None:
 def step_costs(model: Any, inputs: Any, config: TrainConfig, device: Any,
                batch_sizes: Sequence[int] = FIT_BATCHES) -> StepCosts | None:
     """Trace at ``batch_sizes`` (default 4, 5, 8) and fit affine costs (None: not affine)."""
-    traces = {b: trace_op_costs(model, inputs, b, config, device=device) for b in batch_sizes}
-    return fit_costs(traces)
+    return traced_step_costs(model, inputs, config, device, batch_sizes)[1]
+
+
+def traced_step_costs(model: Any, inputs: Any, config: TrainConfig, device: Any,
+                      batch_sizes: Sequence[int] = FIT_BATCHES
+                      ) -> tuple[dict[int, StepTrace], StepCosts | None]:
+    """:func:`step_costs`, with the memory trace of each of those passes."""
+    from batchfit.device.profile import resolve_device
+
+    profile = resolve_device(device)
+    passes = {b: trace_step_and_costs(model, inputs, b, config, profile) for b in batch_sizes}
+    return ({b: traced for b, (traced, _) in passes.items()},
+            fit_costs({b: ops for b, (_, ops) in passes.items()}))
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ Known limitations:
       convolutions, transposed convolutions and fused attention are not
       quantized. A GPU profile has no per-kind curves: small or odd-shaped
       kernels run below the flat 75% of peak.
-    * Fused attention (flash, memory-efficient) is traced through its math
-      path on a GPU target: FLOPs are right, bytes include the s x s matrix
-      that a fused kernel keeps on chip.
+    * Fused attention (flash, memory-efficient, cuDNN) on a GPU target is one
+      op per call with torch's FLOP formula (causal masking not discounted) and
+      the bytes of its inputs and outputs, timed at the profile's matmul rate.
     * CPU rates are curves over one feature (intensity, or bytes): two
       convolutions of the same intensity but other channel counts can run 1.3x
       apart. Grouped, depthwise and 1x1 convolutions are timed on the 3x3
@@ -68,9 +68,9 @@ from batchfit.speed.knee import DEFAULT_TOLERANCE, batch_grid, epoch_seconds, fi
 from batchfit.speed.op_costs import (
     StepCosts,
     constant_costs,
-    step_costs,
     step_times,
-    trace_op_costs,
+    trace_step_and_costs,
+    traced_step_costs,
 )
 from batchfit.speed.rates import RooflineProfile, gpu_roofline_profile
 
@@ -199,13 +199,21 @@ def _resolve_target(gpu: Any, profile: RooflineProfile | None, precision: Precis
         "or a RooflineProfile from measure_cpu_profile() for this CPU")
 
 
-def _peak_interpolator(limit: Any) -> Any:
-    """Device bytes at any batch, linear between the batches the max-batch solve traced."""
+def _peak_interpolator(limit: Any, traces: dict[int, Any]) -> Any:
+    """Device bytes at any batch, linear between the batches traced: by the max-batch
+    solve, and the passes that gave the op costs (``traces``, their memory traces)."""
     import numpy as np
+
+    from batchfit.answers.estimate import summarize
+    from batchfit.answers.maxbatch import _allocator_bytes
 
     device = limit.device
     extra = device.context_bytes + device.workspace_bytes if device.is_cuda else 0
-    pairs = sorted(limit.evaluated)
+    measured = dict(limit.evaluated)
+    for batch_size, traced in traces.items():
+        measured.setdefault(batch_size, _allocator_bytes(summarize(traced, device,
+                                                                   first_step=False)))
+    pairs = sorted(measured.items())
     xs = np.array([b for b, _ in pairs], dtype=np.float64)
     ys = np.array([v for _, v in pairs], dtype=np.float64)
     return lambda b: round(float(np.interp(b, xs, ys))) + extra
@@ -256,17 +264,20 @@ def predict_throughput(model: Any, inputs: Any, config: TrainConfig | None = Non
         raise InvalidInputError(
             f"batch sizes {over} are above the largest that fits ({maximum} on {device.name})")
     grid = list(requested) if requested is not None else list(batch_grid(maximum))
-    costs = step_costs(model, inputs, config, device)
+    # one pass per traced step gives its op costs and its memory
+    traces, costs = traced_step_costs(model, inputs, config, device)
     if costs is not None:
         times = step_times(costs, roofline, grid)
     else:
-        times = [step_times(constant_costs(trace_op_costs(model, inputs, b, config, device=device), b),
-                            roofline, [b])[0] for b in grid]
+        times = []
+        for b in grid:
+            traces[b], ops = trace_step_and_costs(model, inputs, b, config, device)
+            times.append(step_times(constant_costs(ops, b), roofline, [b])[0])
     knee = find_knee(grid, [t.samples_per_s for t in times], tolerance)
     recommended, boundaries, scan = knee.knee_batch_size, (), None
     if costs is not None and roofline.sm_count is not None:
         recommended, boundaries, scan = _scan_waves(costs, roofline, knee.knee_batch_size, maximum)
-    peak = _peak_interpolator(limit)
+    peak = _peak_interpolator(limit, traces)
     points = tuple(PredictedPoint(t.batch_size, t.step_s, t.samples_per_s, peak(t.batch_size),
                                   t.compute_s, t.memory_s, t.overhead_s, t.gemm_efficiency,
                                   t.page_fault_s)

@@ -94,7 +94,7 @@ def apply_workload(model: nn.Module, workload: Any, *, precision: Any, checkpoin
     Returns the model to train (a ``PeftModel`` when LoRA is on). The model's parameters
     must already be in the precision's weight dtype (the dtype a checkpoint is loaded in).
     """
-    from batchfit.engine.keras_step import is_keras_model
+    from batchfit.engine.keras_detect import is_keras_model
 
     if is_keras_model(model):
         raise InvalidInputError(

@@ -42,6 +42,8 @@ from typing import Any, Iterator
 
 import torch
 
+from batchfit.engine.spec import TrainConfig
+from batchfit.engine.target import Target
 from batchfit.errors import InvalidInputError
 
 #: bitsandbytes' CUDA dispatch: above this many rows the fallback always runs.
@@ -49,7 +51,7 @@ GEMM_4BIT_CUSTOM_MAX_M = 1536
 
 
 @contextlib.contextmanager
-def workload_runtime(config: Any, device: Any) -> Iterator[None]:
+def workload_runtime(config: TrainConfig, device: Target) -> Iterator[None]:
     """Patch what the trace needs for ``config``'s workload on ``device`` (restored after)."""
     from batchfit.engine.workloads.spec import LossKind, QuantMethod
 
@@ -66,7 +68,7 @@ def workload_runtime(config: Any, device: Any) -> Iterator[None]:
 
 # -- bitsandbytes 4-bit ------------------------------------------------------------------
 
-def _uses_fused_kernel(device: Any, A: torch.Tensor, shape_b: Any, blocksize: int) -> bool:
+def _uses_fused_kernel(device: Target, A: torch.Tensor, shape_b: Any, blocksize: int) -> bool:
     """bitsandbytes' choice on the target GPU between ``cgemm_4bit`` and the fallback."""
     K = A.shape[-1]
     M = A.numel() // K
