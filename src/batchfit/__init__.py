@@ -22,15 +22,16 @@ from batchfit.errors import (
 __version__ = "0.1.0"
 
 _LAZY = {
-    "estimate": "batchfit.answers.estimate",
+    "estimate": "batchfit.api",
+    "Answer": "batchfit.api",
     "MemoryEstimate": "batchfit.answers.estimate",
     "Category": "batchfit.engine.tracer",
     "Phase": "batchfit.engine.tracer",
     "DeviceProfile": "batchfit.device.profile",
     "gpu_profile": "batchfit.device.profile",
     "find_gpu": "batchfit.device.catalog",
-    "max_batch_size": "batchfit.answers.maxbatch",
-    "max_seq_len": "batchfit.answers.maxbatch",
+    "max_batch_size": "batchfit.api",
+    "max_seq_len": "batchfit.api",
     "MaxBatchResult": "batchfit.answers.maxbatch",
     "search_max_batch": "batchfit.realrun.search",
     "SearchResult": "batchfit.realrun.search",
