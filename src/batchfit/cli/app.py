@@ -106,8 +106,8 @@ def max_cmd(
                                          "--gpu: the card's memory", rich_help_panel=TARGET),
     margin: float = typer.Option(0.0, "--margin", help="fraction kept free, e.g. 0.05",
                                  rich_help_panel=TARGET, show_default=False),
-    max_limit: int = typer.Option(65536, "--max-batch-limit", help="largest batch considered",
-                                  rich_help_panel=STEP),
+    max_limit: int = typer.Option(65536, "--max-batch-limit", help="largest batch considered "
+                                  "(65536)", rich_help_panel=STEP, show_default=False),
     batch_size: Optional[int] = typer.Option(
         None, "--batch-size", "-b", help="fix the batch: find the longest --seq-len",
         rich_help_panel=STEP),
@@ -118,8 +118,9 @@ def max_cmd(
 ) -> None:
     """The largest batch size that fits the GPU (or a memory budget).
 
-    With --batch-size, the longest sequence length that fits at that batch instead. With
-    --world-size, the largest per-GPU (micro-)batch that fits every rank.
+    With --batch-size: the longest sequence length that fits at that batch.
+
+    With --world-size: the largest per-GPU (micro-)batch that fits every rank.
     """
     with errors(debug, {"model": model} if as_json else None):
         check_plot(plot)
