@@ -8,12 +8,11 @@ options through :func:`batchfit.errors.option`, so each caller reads its own voc
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from batchfit._gc import freeze_after_imports
+from batchfit._gc import imports_done
 from batchfit.engine.spec import Mode, Precision, parse_enum, parse_shape, parse_size
 from batchfit.errors import InvalidInputError, option
 
@@ -158,8 +157,7 @@ def resolve_step(model: str, *, input_shape: str | None = None, seq_len: int | N
     _attn_kwargs(attn, kwargs)
     spec = resolve_model(model, model_kwargs=kwargs, seq_len=seq_len, input_shape=shape,
                          packing=packing)
-    if not gc.isenabled():  # the CLI turned it off for the imports, which are done now
-        freeze_after_imports()
+    imports_done()  # the CLI's process freezes what the imports built (batchfit._gc)
     if spec.keras_compiled is False and optimizer is None:
         raise InvalidInputError(
             f"the Keras model of {model} is not compiled: compile it in the factory "

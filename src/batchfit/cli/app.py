@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import typer
 
+from batchfit._gc import one_command_process
 from batchfit.cli import outputs
 from batchfit.cli.common import (
     check_plot,
@@ -368,9 +369,9 @@ def main() -> None:
     # torch.utils._pytree.register_constant logs as deprecated (its only log call).
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     # The cyclic collector would walk the objects torch and the model library create
-    # while they import, again and again (0.64 s in 6 walks of a 12 s `max`); resolve_step()
-    # freezes them once they exist and turns it back on (batchfit/_gc.py).
-    gc.disable()
+    # while they import, again and again (batchfit/_gc.py); resolve_step() freezes them once
+    # they exist and turns it back on.
+    one_command_process()
     exit_on_interrupt()
     try:
         app()
