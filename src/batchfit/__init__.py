@@ -37,7 +37,7 @@ _LAZY = {
     "SearchResult": "batchfit.realrun.search",
     "bench": "batchfit.speed.bench",
     "BenchResult": "batchfit.speed.bench",
-    "predict_throughput": "batchfit.speed.roofline",
+    "predict_throughput": "batchfit.api",
     "noise_scale": "batchfit.stats.measure",
     "NoiseScale": "batchfit.stats.estimator",
     "NoiseScaleMonitor": "batchfit.stats.monitor",

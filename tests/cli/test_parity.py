@@ -127,6 +127,16 @@ CASES = [
     ("keras-max", ["max", "{keras}", "--gpu", "T4", "--memory", "1GiB", "--optimizer",
                    "adam"],
      "max_batch_size", {"gpu": "T4", "memory": "1GiB", "optimizer": "adam"}),
+    ("cnn-bench-predict", ["bench", "{conv}", "--predict", "--gpu", "A100 80GB", "--batches",
+                           "16,64", "--precision", "amp-bf16", "--dataset-size", "50000"],
+     "predict_throughput", {"gpu": "A100 80GB", "batches": [16, 64], "precision": "amp-bf16",
+                            "dataset_size": 50000}),
+    ("hf-bench-predict", ["bench", "hf:gpt2", "--seq-len", "64", "--model-kwargs", "n_layer=2",
+                          "--predict", "--gpu", "RTX 4090", "--memory", "8GiB", "--batches",
+                          "2,4", "--stack", "torch2.4+cu124"],
+     "predict_throughput", {"gpu": "RTX 4090", "memory": "8GiB", "batches": [2, 4],
+                            "seq_len": 64, "model_kwargs": ["n_layer=2"],
+                            "stack": "torch2.4+cu124"}),
 ]
 
 SLOW_CASES = [

@@ -12,9 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchfit.api.answers import Answer, estimate_words, max_batch_words, max_seq_len_words
+from batchfit.api.answers import (
+    Answer,
+    estimate_words,
+    max_batch_words,
+    max_seq_len_words,
+    predict_throughput_words,
+)
 
-__all__ = ["Answer", "estimate", "max_batch_size", "max_seq_len"]
+__all__ = ["Answer", "estimate", "max_batch_size", "max_seq_len", "predict_throughput"]
 
 
 def estimate(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -73,3 +79,19 @@ def max_seq_len(model: Any, *args: Any, **kwargs: Any) -> Any:
     from batchfit.answers.maxbatch import max_seq_len as max_seq_len_module
 
     return max_seq_len_module(model, *args, **kwargs)
+
+
+def predict_throughput(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """Predicted step time and throughput against batch size, without the device.
+
+    ``predict_throughput(model, inputs, config=None, *, gpu=..., ...)`` with a module or
+    factory (:func:`batchfit.speed.roofline.predict_throughput`); ``predict_throughput(
+    "timm:resnet50", gpu="A100 80GB", batches=[64, 128])`` with a spec string and the names
+    of ``batchfit bench --predict`` (:func:`batchfit.api.answers.predict_throughput_words`,
+    an :class:`Answer`).
+    """
+    if isinstance(model, str):
+        return predict_throughput_words(model, *args, **kwargs)
+    from batchfit.speed.roofline import predict_throughput as predict_module
+
+    return predict_module(model, *args, **kwargs)

@@ -218,3 +218,28 @@ def max_seq_len_words(model: str, batch_size: int, *, margin: float = 0.0,
                          margin=margin, max_len=context_length(step.spec) or 131072,
                          on_trace=_tracing(model, "sequence length", on_status))
     return Answer(model, result, prepared.choices, prepared.notes)
+
+
+def predict_throughput_words(model: str, *, gpu: str, memory: str | None = None,
+                             batches: Any = "auto", dataset_size: int | None = None,
+                             **words: Any) -> Answer:
+    """Predicted step time and throughput against batch size of the model named ``model`` on
+    the catalog card ``gpu`` (``memory``: that card with this much memory), as ``batchfit
+    bench --predict`` asks it. ``batches``: ``"auto"`` or a list of batch sizes. ``words``:
+    the step's and the stack's options as keywords."""
+    from batchfit.api.target import predicted_card
+    from batchfit.engine.spec import parse_size
+    from batchfit.speed.roofline import predict_throughput
+
+    step_words, stack = _split(words, STEP_WORDS, STACK_WORDS)
+    if dataset_size is not None and dataset_size < 1:
+        raise InvalidInputError(f"{option('dataset_size')} must be a positive integer, "
+                                f"not {dataset_size}")
+    settings = stack_settings(**stack)
+    card = predicted_card(gpu, parse_size(memory) if memory is not None else None,
+                          settings.get("stack"))
+    step = resolve_step(model, **step_words, **settings)
+    choices, notes = chosen(gpu, step.spec)
+    result = predict_throughput(step.spec.factory, step.inputs, step.config, gpu=card,
+                                batches=batches, dataset_size=dataset_size)
+    return Answer(model, result, choices, tuple(notes))

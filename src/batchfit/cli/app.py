@@ -282,58 +282,63 @@ def bench_cmd(
     """
     with errors(debug):
         check_plot(plot)
-        if dataset_size is not None and dataset_size < 1:
-            raise InvalidInputError(f"--dataset-size must be a positive integer, not {dataset_size}")
         if predict and not gpu:
             raise InvalidInputError("--predict needs --gpu NAME: the card to predict for")
         if gpu is not None and not predict:
             raise InvalidInputError("--gpu goes with --predict; to measure, use --device cpu|cuda:N")
-        stack = {key: words.pop(key) for key in STACK_OPTIONS}
-        predicted_only(predict, "bench", **stack)
+        predicted_only(predict, "bench", **{key: words[key] for key in STACK_OPTIONS})
         batch_list = parse_batches(batches)
-        memory_bytes = parse_size(memory) if memory is not None else None
-        budget_s = parse_duration(time_budget)
-        from batchfit.api.step import resolve_step, stack_settings
-        from batchfit.api.target import chosen, predicted_card
-
-        settings = stack_settings(**stack, inference_mode=words.pop("inference_mode"))
-        card = predicted_card(gpu, memory_bytes, settings.get("stack")) if predict else None
-        step = resolve_step(model, **words, **settings)
-        spec, inputs, config = step.spec, step.inputs, step.config
-        notes, said = chosen(gpu, spec)
         if predict:
-            from batchfit.speed.roofline import predict_throughput
+            from batchfit.api.answers import predict_throughput_words
 
             with progress("bench", f"predicting {model} on {gpu}"):
-                result = predict_throughput(spec.factory, inputs, config, gpu=card,
-                                            batches=batch_list, dataset_size=dataset_size)
+                answer = predict_throughput_words(model, gpu=gpu, memory=memory,
+                                                  batches=batch_list, dataset_size=dataset_size,
+                                                  **words)
+            result, fields, said = answer.result, answer.choices, answer.notes
         else:
-            from batchfit.speed.bench import bench
-
-            with bench_progress("bench") as (on_measure, on_point):
-                result = bench(spec.factory, inputs, config, device=device or "cpu",
-                               memory_bytes=memory_bytes, batches=batch_list,
-                               dataset_size=dataset_size, alignment=alignment,
-                               time_budget_s=budget_s, on_measure=on_measure,
-                               on_point=on_point)
-            if result.memory_source == "available":
-                from batchfit.cli.report import format_bytes
-
-                err.print(f"bench: no --memory: using the {format_bytes(result.memory_bytes)} "
-                          "this machine has available now", highlight=False)
+            result, fields, said = _measure(model, device, memory, time_budget, batch_list,
+                                            dataset_size, alignment, words)
         print_notes(said)
         if plot:
             from batchfit.cli.plot import plot_throughput
 
             plot_throughput(result, plot)
         if as_json:
-            emit_json({"model": model, **notes, **result.to_dict()})
+            emit_json({"model": model, **fields, **result.to_dict()})
             return
         from batchfit.cli.report import render_bench
 
         out.print(render_bench(result, model))
         if plot:
             out.print(f"plot written to {plot}")
+
+
+def _measure(model: str, device: str | None, memory: str | None, time_budget: str,
+             batches: Any, dataset_size: int | None, alignment: bool,
+             words: dict[str, Any]) -> tuple[Any, dict[str, Any], tuple[str, ...]]:
+    """``bench`` on a real device: the step the library resolves, measured in this process."""
+    from batchfit.api.step import resolve_step
+    from batchfit.api.target import chosen
+    from batchfit.speed.bench import bench
+
+    if dataset_size is not None and dataset_size < 1:
+        raise InvalidInputError(f"--dataset-size must be a positive integer, not {dataset_size}")
+    memory_bytes = parse_size(memory) if memory is not None else None
+    budget_s = parse_duration(time_budget)
+    step = resolve_step(model, **{k: v for k, v in words.items() if k not in STACK_OPTIONS})
+    fields, notes = chosen(None, step.spec)
+    with bench_progress("bench") as (on_measure, on_point):
+        result = bench(step.spec.factory, step.inputs, step.config, device=device or "cpu",
+                       memory_bytes=memory_bytes, batches=batches, dataset_size=dataset_size,
+                       alignment=alignment, time_budget_s=budget_s, on_measure=on_measure,
+                       on_point=on_point)
+    if result.memory_source == "available":
+        from batchfit.cli.report import format_bytes
+
+        err.print(f"bench: no --memory: using the {format_bytes(result.memory_bytes)} "
+                  "this machine has available now", highlight=False)
+    return result, fields, tuple(notes)
 
 
 @app.command("gpus")
