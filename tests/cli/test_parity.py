@@ -207,7 +207,7 @@ def test_qlora_defaults_reach_the_library():
 def test_llm_max_probes_batches_one_and_two_first(monkeypatch, files):
     """max with lora= traces batches 1 and 2 first, as the CLI's max did (the library
     probed 16 and 32)."""
-    import batchfit.answers.maxbatch as maxbatch
+    from batchfit.answers import maxbatch
 
     seen = []
     original = maxbatch.max_batch_size
@@ -230,7 +230,7 @@ def test_both_measure_the_cpu_overhead_when_it_is_not_given(monkeypatch, files):
     here: the test checks the decision and what follows from it."""
     from types import SimpleNamespace
 
-    import batchfit.realrun.cpu_overhead as cpu_overhead
+    from batchfit.realrun import cpu_overhead
 
     calls = []
 
