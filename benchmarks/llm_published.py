@@ -237,21 +237,23 @@ def unsloth_curve(lengths: list[int], transformers_version: str | None = "4.47")
 
 
 def octocoder() -> list[dict]:
+    """Asked as ``batchfit serve hf:DIR --gpu "A100 40GB" --engine hf ...`` asks it: the card
+    by its catalog name. The fp4 row alone needs more than the user's words: its fp32
+    compute dtype (bitsandbytes' default) has no flag; ``--quant fp4`` computes in the
+    precision's 16-bit type."""
     from batchfit.answers.serve import serve_capacity
-    from batchfit.device.profile import DeviceProfile
     from batchfit.engine.workloads.spec import QuantSpec
 
-    a100 = DeviceProfile.cuda(40 * GiB, (8, 0), name="A100 40GB")
     model = f"hf:{HERE / 'data' / 'octocoder'}"
     rows = []
     for label, dtype, quant, published in (
             ("bf16", "bf16", None, 29.0260648727417),
-            ("load_in_8bit", "fp16", QuantSpec("int8"), 15.219234466552734),
+            ("load_in_8bit", "fp16", "int8", 15.219234466552734),
             ("load_in_4bit (fp4, fp32 compute)", "fp16",
              QuantSpec("fp4", compute_dtype="float32"), 9.543574333190918)):
         start = time.perf_counter()
-        result = serve_capacity(model, device=a100, engine="hf", batch_size=1, prompt_len=20,
-                                new_tokens=60, dtype=dtype, quant=quant)
+        result = serve_capacity(model, device="A100 40GB", engine="hf", batch_size=1,
+                                prompt_len=20, new_tokens=60, dtype=dtype, quant=quant)
         allocated = max(result.hf["prefill_allocated_bytes"], result.hf["decode_peak_bytes"])
         rows.append(_row("octocoder", f"octocoder generate, {label}", "allocated GiB",
                          published, allocated / GiB, time.perf_counter() - start, "held-out"))

@@ -93,3 +93,19 @@ def test_the_cli_freezes_its_imports_once_and_collects_after(tmp_path):
     enabled, frozen = json.loads(record.read_text())
     assert enabled
     assert frozen > 100_000   # `import torch` alone creates more objects than that
+
+
+def test_the_library_in_words_leaves_a_disabled_collector_off(tmp_path):
+    """batchfit.estimate("file.py:factory", ...) resolves the model as the CLI does, but only
+    the CLI's own process turns the collector back on after the imports."""
+    import batchfit
+
+    path = tmp_path / "net.py"
+    path.write_text("from torch import nn\nfrom batchfit import TensorSpec\n\n"
+                    "def net():\n    return nn.Linear(8, 2), TensorSpec((8,))\n")
+    gc.disable()
+    try:
+        batchfit.estimate(f"{path}:net", batch_size=2, device="cpu")
+        assert not gc.isenabled() and gc.get_freeze_count() == 0
+    finally:
+        gc.enable()

@@ -30,6 +30,7 @@ LAYERS = {
     "batchfit.speed": 50,
     "batchfit.stats": 60,
     "batchfit.integrations": 70,
+    "batchfit.api": 75,
     "batchfit.cli": 80,
 }
 #: The lazy public API (``batchfit/__init__.py``) sits above everything and is imported by

@@ -112,17 +112,18 @@ class Config:
 
     def trial_setup(self) -> tuple[Any, Any, Any]:
         """``(factory, inputs, TrainConfig)`` of the real step, as the CLI builds them."""
-        from batchfit.cli.app import LlmArgs, _setup
+        from batchfit.api.step import resolve_step, stack_settings
 
         seq_len = int(self.input[3:]) if self.input.startswith("seq") else None
         shape = None if seq_len is not None else self.input
-        spec, inputs, config = _setup(
-            self.model, shape, seq_len, self.mode, self.optimizer if self.mode == "train"
-            else None, self.precision, None, self.layout == "nhwc", list(self.model_kwargs),
-            LlmArgs(None, None, "standard", 1, False, False, None, None),
-            cudnn_benchmark=self.cudnn_benchmark, inference_mode=self.inference_mode,
-            alloc_conf=None)
-        return spec.factory, inputs, config
+        settings = stack_settings(cudnn_benchmark=self.cudnn_benchmark,
+                                  inference_mode=self.inference_mode)
+        step = resolve_step(
+            self.model, input_shape=shape, seq_len=seq_len, mode=self.mode,
+            optimizer=self.optimizer if self.mode == "train" else None,
+            precision=self.precision, channels_last=self.layout == "nhwc",
+            model_kwargs=list(self.model_kwargs), **settings)
+        return step.spec.factory, step.inputs, step.config
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "key": self.key}

@@ -44,3 +44,22 @@ def freeze_after_imports() -> None:
     """
     gc.freeze()
     gc.enable()
+
+
+_ONE_COMMAND = {"waiting": False}
+
+
+def one_command_process() -> None:
+    """Declare this process one command's (the CLI's): the collector is off until the
+    command's imports are done (:func:`imports_done`), so they are not walked either."""
+    _ONE_COMMAND["waiting"] = True
+    gc.disable()
+
+
+def imports_done() -> None:
+    """The model and its libraries are imported. A one-command process freezes what they
+    built and turns the collector back on; in any other process (a library caller's) this
+    does nothing, so the caller's collector settings stay theirs."""
+    if _ONE_COMMAND["waiting"] and not gc.isenabled():
+        _ONE_COMMAND["waiting"] = False
+        freeze_after_imports()

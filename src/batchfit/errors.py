@@ -7,6 +7,41 @@ line and exits with :attr:`BatchfitError.exit_code`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+#: How the caller names options: None is Python's (keywords), else keyword -> CLI flag.
+_FLAGS: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "batchfit_option_flags", default=None)
+
+
+@contextlib.contextmanager
+def option_vocabulary(flags: Mapping[str, str]) -> Iterator[None]:
+    """Messages raised inside name options as ``flags`` does (keyword -> flag), not as
+    keywords: the CLI wraps each command in this, with its one table of flags."""
+    token = _FLAGS.set(flags)
+    try:
+        yield
+    finally:
+        _FLAGS.reset(token)
+
+
+def option(keyword: str, value: Any = None) -> str:
+    """An option, optionally with a value, in the caller's vocabulary: ``seq_len=512`` for a
+    Python caller, ``--seq-len 512`` on the command line (a bare flag for ``True``).
+
+    Example:
+        >>> option("seq_len", 512)
+        'seq_len=512'
+    """
+    flags = _FLAGS.get()
+    if flags is None or keyword not in flags:
+        return keyword if value is None else f"{keyword}={value!r}"
+    flag = flags[keyword]
+    return flag if value is None or value is True else f"{flag} {value}"
+
 
 class BatchfitError(Exception):
     """Base class of every batchfit error. ``exit_code`` is what the CLI returns."""

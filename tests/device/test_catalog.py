@@ -297,7 +297,7 @@ def test_live_gpu_without_cuda_says_what_to_do(index):
         live_gpu(index)
     assert str(info.value) == (
         f"no CUDA device cuda:{index}: this machine has 0 CUDA devices; "
-        "use --gpu NAME to predict for a card you don't have")
+        "use gpu='NAME' to predict for a card you don't have")
 
 
 def _fake_devices(monkeypatch, props, hip=None):
@@ -371,7 +371,7 @@ def test_live_gpu_unknown_to_the_catalog_estimates_bandwidth(monkeypatch):
 def test_live_gpu_unknown_to_the_catalog_on_an_old_torch(monkeypatch):
     props = _props("Some Future Card", 51_010_207_744, 999, 9, 9)  # no memory clock reported
     _fake_devices(monkeypatch, props)
-    with pytest.raises(InvalidInputError, match=r"use --gpu NAME with the closest card"):
+    with pytest.raises(InvalidInputError, match=r"use gpu='NAME' with the closest card"):
         live_gpu(0)
 
 

@@ -107,7 +107,7 @@ def test_cpu_prediction_matches_a_real_inference_mode_step():
 
 
 def test_a_training_step_cannot_run_in_inference_mode():
-    with pytest.raises(InvalidInputError, match="--inference-mode goes with --mode infer"):
+    with pytest.raises(InvalidInputError, match="inference_mode=True goes with mode='infer'"):
         TrainConfig(mode="train", inference_mode=True)
 
 

@@ -45,11 +45,11 @@ def test_installed_stack_is_this_torch():
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
-    ({"torch_version": "3.1"}, "unknown --torch-version 3.1"),
-    ({"torch_version": "0.4"}, "unknown --torch-version 0.4"),
-    ({"torch_version": "latest"}, "malformed --torch-version"),
-    ({"cuda_version": "11.4"}, "unknown --cuda-version 11.4"),
-    ({"stack": "torch2.4"}, "malformed --stack"),
+    ({"torch_version": "3.1"}, "unknown torch_version 3.1"),
+    ({"torch_version": "0.4"}, "unknown torch_version 0.4"),
+    ({"torch_version": "latest"}, "malformed torch_version"),
+    ({"cuda_version": "11.4"}, "unknown cuda_version 11.4"),
+    ({"stack": "torch2.4"}, "malformed stack"),
     ({"stack": "torch2.4+cu124", "cuda_version": "12.4"}, "not both"),
 ])
 def test_bad_versions_are_one_line(kwargs, fragment):

@@ -24,12 +24,12 @@ def test_parse_lora_lists_and_defaults():
 
 
 @pytest.mark.parametrize("text, words", [
-    ("r=16,rnk=4", "unknown --lora key 'rnk'"),
+    ("r=16,rnk=4", "unknown lora key 'rnk'"),
     ("r=0", "rank r=0 must be a positive integer"),
     ("r=-3", "must be a positive integer"),
     ("r=x", "is not a number"),
     ("r=8,dropout=1.5", "dropout=1.5 must be in [0, 1)"),
-    ("r", "malformed --lora item 'r'"),
+    ("r", "malformed lora item 'r'"),
     ("r=8,r=4", "given twice"),
     ("r=8,bias=some", "bias='some'"),
     ("r=8,dtype=int8", "dtype='int8'"),
@@ -45,7 +45,7 @@ def test_parse_quant():
     dq = parse_quant("NF4_DQ").method
     assert dq.double_quant and dq.quant_type == "nf4" and dq.is_4bit
     assert not parse_quant("int8").method.is_4bit
-    with pytest.raises(InvalidInputError, match="unknown --quant 'nf3'"):
+    with pytest.raises(InvalidInputError, match="unknown quant 'nf3'"):
         parse_quant("nf3")
 
 

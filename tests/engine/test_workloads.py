@@ -305,7 +305,7 @@ def test_transformers_version_loss_by_hand():
     labels = 4 * b * s * 8
     assert abs((peaks["4.46"] - peaks[None]) - (v446 - installed)) <= labels
     assert abs((peaks["4.43.3"] - peaks[None]) - (v443 - installed)) <= labels
-    with pytest.raises(InvalidInputError, match="malformed --transformers-version"):
+    with pytest.raises(InvalidInputError, match="malformed transformers_version"):
         TrainConfig(transformers_version="four")
-    with pytest.raises(InvalidInputError, match="--loss chunked replaces it"):
+    with pytest.raises(InvalidInputError, match="loss='chunked' replaces it"):
         TrainConfig(transformers_version="4.46", loss="chunked")

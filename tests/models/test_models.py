@@ -488,13 +488,13 @@ def test_hf_unknown_name_suggests_and_explains():
 
 
 def test_hf_input_shape_is_rejected_for_token_models():
-    with pytest.raises(InvalidInputError, match="--seq-len") as exc_info:
+    with pytest.raises(InvalidInputError, match="with seq_len, not input_shape") as exc_info:
         resolve_model("hf:gpt2", input_shape=(512,))
     assert_one_line(exc_info)
 
 
 def test_image_model_rejects_seq_len():
-    with pytest.raises(InvalidInputError, match="--input") as exc_info:
+    with pytest.raises(InvalidInputError, match="seq_len applies to token models.*with input_shape") as exc_info:
         resolve_model("timm:resnet50", seq_len=128)
     assert_one_line(exc_info)
 

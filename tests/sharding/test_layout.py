@@ -12,14 +12,14 @@ from batchfit.sharding.layout import Offload, Parallelism, Strategy
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"world_size": 0}, "world size must be a positive integer"),
-    ({"world_size": 6, "strategy": "tp", "tp": 4}, "not divisible by --tp 4"),
-    ({"world_size": 8, "nodes": 3}, "not divisible by --nodes 3"),
+    ({"world_size": 6, "strategy": "tp", "tp": 4}, "not divisible by tp=4"),
+    ({"world_size": 8, "nodes": 3}, "not divisible by nodes=3"),
     ({"world_size": 8, "strategy": "tp"}, "needs a tensor-parallel degree"),
-    ({"world_size": 8, "strategy": "ddp", "tp": 2}, "combines with --strategy tp or fsdp"),
-    ({"world_size": 8, "strategy": "ddp", "offload": "params"}, "has no --offload params"),
+    ({"world_size": 8, "strategy": "ddp", "tp": 2}, "combines with strategy='tp' or fsdp"),
+    ({"world_size": 8, "strategy": "ddp", "offload": "params"}, "has no offload='params'"),
     ({"world_size": 8, "strategy": "zero2", "offload": "params"}, "only in ZeRO-3"),
-    ({"world_size": 8, "strategy": "fsdp", "offload": "optimizer"}, "has no --offload optimizer"),
-    ({"world_size": 8, "strategy": "hsdp"}, "give --nodes M"),
+    ({"world_size": 8, "strategy": "fsdp", "offload": "optimizer"}, "has no offload='optimizer'"),
+    ({"world_size": 8, "strategy": "hsdp"}, "give nodes='M'"),
     ({"world_size": 8, "strategy": "sharded"}, "unknown strategy"),
     ({"world_size": 8, "rank": 8}, "is not a rank of a world of 8"),
 ])

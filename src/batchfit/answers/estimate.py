@@ -25,7 +25,7 @@ from batchfit.engine.limits import KernelLimit
 from batchfit.engine.spec import Precision, TrainConfig, make_config
 from batchfit.engine.trace import StepTrace, TraceReuse, trace_step
 from batchfit.engine.tracer import Category, Event, Phase
-from batchfit.errors import InvalidInputError
+from batchfit.errors import InvalidInputError, option
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,8 @@ def estimate(model: nn.Module | Callable[[], nn.Module], inputs: Any, batch_size
     profile = step_profile(device, config, alloc_conf)
     if snapshot is not None and not profile.is_cuda:
         raise InvalidInputError("a CUDA memory snapshot is compared with a CUDA target: "
-                                "give a GPU (--gpu NAME or --device cuda)")
+                                f"give a GPU ({option('gpu', 'NAME')} or "
+                                f"{option('device', 'cuda')})")
     trace = trace_step(model, inputs, batch_size, config, profile, reuse)
     return summarize(trace, profile, first_step=first_step, snapshot=snapshot)
 
@@ -229,10 +230,10 @@ def check_precision(profile: DeviceProfile, precision: Precision) -> None:
     cc = profile.compute_capability
     if profile.is_cuda and precision in _BF16 and cc is not None and cc < (8, 0):
         raise InvalidInputError(
-            f"--precision {precision.value} needs bfloat16, which {profile.name} (compute "
-            f"capability {cc[0]}.{cc[1]}) lacks (it needs 8.0+, Ampere or newer): use "
-            f"--precision {'amp-fp16' if precision is Precision.AMP_BF16 else 'fp16'}, or a "
-            "newer card")
+            f"{option('precision', precision.value)} needs bfloat16, which {profile.name} "
+            f"(compute capability {cc[0]}.{cc[1]}) lacks (it needs 8.0+, Ampere or newer): use "
+            f"{option('precision', 'amp-fp16' if precision is Precision.AMP_BF16 else 'fp16')}"
+            ", or a newer card")
 
 
 def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True,

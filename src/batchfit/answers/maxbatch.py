@@ -43,7 +43,7 @@ from batchfit.device.timeline import fits_within, needed_bytes, peak_live_bytes
 from batchfit.engine.spec import TensorSpec, TrainConfig, make_config
 from batchfit.engine.trace import StepTrace, TraceReuse, trace_step
 from batchfit.engine.tracer import Event
-from batchfit.errors import InvalidInputError
+from batchfit.errors import InvalidInputError, option
 
 #: The largest batch size the solver will report (tiny models fit absurd batches).
 DEFAULT_MAX_BATCH_LIMIT = 1 << 16
@@ -189,7 +189,7 @@ def _budget(profile: DeviceProfile, memory_bytes: int | None, margin: float) -> 
     memory = memory_bytes if memory_bytes is not None else profile.total_memory_bytes
     if memory is None:
         raise InvalidInputError(
-            "no memory budget for the CPU: give memory_bytes (--memory 16GiB) or a GPU")
+            f"no memory budget for the CPU: give {option('memory', '16GiB')} or a GPU")
     overhead = _fixed_bytes(profile)
     budget = int(memory * (1 - margin)) - overhead
     if budget <= 0:

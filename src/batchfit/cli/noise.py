@@ -9,27 +9,16 @@ from typing import Any
 
 import typer
 
-from batchfit.cli.app import (
-    AllocConfOpt,
-    CudaVerOpt,
-    CudnnBenchOpt,
-    DebugOpt,
-    JsonOpt,
-    KwargsOpt,
-    PlotOpt,
-    PrecOpt,
-    StackOpt,
-    TorchVerOpt,
-    _check_plot,
-    _emit_json,
-    _errors,
-    _parse_batches,
-    _predicted_card,
-    _predicted_only,
-    _stack_settings,
-    app,
+from batchfit.cli.app import app
+from batchfit.cli.common import (
+    check_plot,
+    emit_json,
+    errors,
     out,
+    parse_batches,
+    predicted_only,
 )
+from batchfit.cli.options import option
 from batchfit.cli.progress import bench_progress, counted_progress, progress
 from batchfit.engine.spec import parse_size
 from batchfit.errors import InvalidInputError
@@ -101,8 +90,8 @@ def noise_cmd(
     device: str | None = typer.Option(None, "--device", help="cpu or cuda:N (default: "
                                          "where the factory put the model)"),
     train: bool | None = TrainOpt, seed: int = SeedOpt,
-    model_kwargs: list[str] | None = KwargsOpt,
-    as_json: bool = JsonOpt, plot: str | None = PlotOpt, debug: bool = DebugOpt,
+    model_kwargs: list[str] | None = option("model_kwargs"),
+    as_json: bool = option("as_json"), plot: str | None = option("plot"), debug: bool = option("debug"),
 ) -> None:
     """Measure the gradient noise scale B_simple of a model on its data.
 
@@ -114,8 +103,8 @@ def noise_cmd(
     functools.partial's arguments): named model, module, net, network or m, or typed
     nn.Module, means loss_fn(model, batch); only *args means loss_fn(model, batch).
     """
-    with _errors(debug):
-        _check_plot(plot)
+    with errors(debug):
+        check_plot(plot)
         loaded = _load(workload, device, model_kwargs)
         noise = _measure(loaded, batch_small, batch_big, steps, method, train, seed)
         if plot:
@@ -123,7 +112,7 @@ def noise_cmd(
 
             plot_noise(noise, plot)
         if as_json:
-            _emit_json({"workload": workload, **noise.to_dict()})
+            emit_json({"workload": workload, **noise.to_dict()})
             return
         from batchfit.cli.noise_report import render_noise
 
@@ -167,13 +156,15 @@ def _throughput(loaded: Any, device: str | None, memory: str | None, gpu: str | 
         options = {"optimizer": OptimizerName.ADAMW}
     config = TrainConfig(precision=parse_enum(Precision, precision or "fp32", "precision"),
                          loss_fn=identity_loss, **options, **(settings or {}))
-    batch_list = _parse_batches(batches)
+    batch_list = parse_batches(batches)
     limit = min(source.size, 1 << 16)  # a batch larger than the data does not train
     memory_bytes = parse_size(memory) if memory is not None else None
     if predict:
         from batchfit.speed.roofline import predict_throughput
 
-        card = _predicted_card(gpu, memory_bytes, (settings or {}).get("stack"))
+        from batchfit.api.target import predicted_card
+
+        card = predicted_card(gpu, memory_bytes, (settings or {}).get("stack"))
         with progress("recommend", f"predicting step times on {gpu}"):
             return predict_throughput(step_module, spec, config, gpu=card, batches=batch_list,
                                       max_batch_limit=limit), True
@@ -199,17 +190,17 @@ def recommend_cmd(
     gpu: str | None = typer.Option(None, "--gpu", help="a catalog GPU, with --predict"),
     predict: bool = typer.Option(False, "--predict", help="predict step times on --gpu"),
     batches: str = typer.Option("auto", "--batches", help="auto, or a list like 16,32,64"),
-    precision: str = PrecOpt,
+    precision: str = option("precision"),
     optimizer: str | None = typer.Option(
         None, "--optimizer", help="for the step and the learning-rate rule (default: the "
                                   "factory's optimizer, else adamw)"),
     current_batch: int | None = typer.Option(
         None, "--current-batch", help="the batch you train with now (default: --batch-big)"),
-    model_kwargs: list[str] | None = KwargsOpt,
-    stack: str | None = StackOpt, torch_version: str | None = TorchVerOpt,
-    cuda_version: str | None = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
-    alloc_conf: str | None = AllocConfOpt,
-    as_json: bool = JsonOpt, plot: str | None = PlotOpt, debug: bool = DebugOpt,
+    model_kwargs: list[str] | None = option("model_kwargs"),
+    stack: str | None = option("stack"), torch_version: str | None = option("torch_version"),
+    cuda_version: str | None = option("cuda_version"), cudnn_benchmark: bool = option("cudnn_benchmark"),
+    alloc_conf: str | None = option("alloc_conf"),
+    as_json: bool = option("as_json"), plot: str | None = option("plot"), debug: bool = option("debug"),
 ) -> None:
     """The batch that reaches a target loss soonest: noise scale x throughput x memory.
 
@@ -217,16 +208,18 @@ def recommend_cmd(
     --cudnn-benchmark, --alloc-conf) describe the training process on the predicted card,
     as for ``bench --predict``.
     """
-    with _errors(debug):
-        _check_plot(plot)
+    with errors(debug):
+        check_plot(plot)
         if predict and not gpu:
             raise InvalidInputError("--predict needs --gpu NAME: the card to predict for")
         if gpu and not predict:
             raise InvalidInputError("--gpu goes with --predict; to measure, use --device cpu|cuda:N")
-        _predicted_only(predict, "recommend", stack, torch_version, cuda_version,
-                        cudnn_benchmark, alloc_conf)
-        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
-                                   False, alloc_conf)
+        predicted_only(predict, "recommend", stack, torch_version, cuda_version,
+                       cudnn_benchmark, alloc_conf)
+        from batchfit.api.step import stack_settings
+
+        settings = stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
+                                  False, alloc_conf)
         if current_batch is not None and current_batch < 1:
             raise InvalidInputError(f"--current-batch must be a positive integer, not {current_batch}")
         loaded = _load(workload, None if predict else device, model_kwargs)
@@ -249,7 +242,7 @@ def recommend_cmd(
 
             plot_recommendation(rec, plot)
         if as_json:
-            _emit_json({"workload": workload, "predicted": predicted, **rec.to_dict(),
+            emit_json({"workload": workload, "predicted": predicted, **rec.to_dict(),
                         "noise": noise.to_dict(), "throughput": throughput.to_dict()})
             return
         from batchfit.cli.noise_report import render_recommendation

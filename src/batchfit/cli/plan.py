@@ -3,44 +3,25 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from batchfit.cli import outputs
-from batchfit.cli.app import (
-    AllocConfOpt,
-    CudaVerOpt,
-    CudnnBenchOpt,
-    DebugOpt,
-    HtmlOpt,
-    InputOpt,
-    JsonOpt,
-    KwargsOpt,
-    ModelArg,
-    NodesOpt,
-    OptimOpt,
-    PrecOpt,
-    SeqOpt,
-    StackOpt,
-    TorchVerOpt,
-    _emit_json,
-    _errors,
-    _setup,
-    _stack_settings,
-    app,
-    out,
-)
+from batchfit.cli.app import app
+from batchfit.cli.common import emit_json, errors, out
+from batchfit.cli.options import STACK_OPTIONS, ModelArg, option, takes
 from batchfit.cli.progress import progress
 from batchfit.errors import InvalidInputError
 
 
 @app.command("plan")
+@takes("input_shape", "seq_len", "optimizer", "precision", "model_kwargs", *STACK_OPTIONS)
 def plan_cmd(
     model: str = ModelArg,
     gpus: str = typer.Option(..., "--gpus", help='how many GPUs of which card, e.g. 8x"H100 SXM"'),
     global_batch: int = typer.Option(..., "--global-batch", help="samples per optimizer step"),
-    nodes: int = NodesOpt,
+    nodes: int = typer.Option(1, "--nodes", help="machines the GPUs span"),
     strategies: Optional[str] = typer.Option(
         None, "--strategies", help="comma-separated strategies to try (default: ddp, fsdp, "
         "fsdp-grad-op, zero1, zero2, zero3, and hsdp on several nodes)"),
@@ -52,28 +33,23 @@ def plan_cmd(
         "auto", "--offload", help="none, or auto (only where nothing fits without)"),
     network_gbs: Optional[float] = typer.Option(
         None, "--network-gbs", help="network between nodes per GPU, GB/s each way (default 50)"),
-    input_shape: Optional[str] = InputOpt, seq_len: Optional[int] = SeqOpt,
-    optimizer: Optional[str] = OptimOpt, precision: Optional[str] = PrecOpt,
-    model_kwargs: Optional[list[str]] = KwargsOpt,
-    stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
-    cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
-    alloc_conf: Optional[str] = AllocConfOpt, html: Optional[str] = HtmlOpt,
-    as_json: bool = JsonOpt, debug: bool = DebugOpt,
+    html: Optional[str] = option("html"), as_json: bool = option("as_json"),
+    debug: bool = option("debug"), words: Any = None,
 ) -> None:
     """Rank multi-GPU layouts of a global batch by predicted step time, with memory per GPU."""
-    with _errors(debug):
+    with errors(debug):
         outputs.check_outputs(html, None)
-        settings = _stack_settings(stack, torch_version, cuda_version, cudnn_benchmark,
-                                   False, alloc_conf)
+        from batchfit.api.step import resolve_step, stack_settings
+
+        settings = stack_settings(**{key: words.pop(key) for key in STACK_OPTIONS})
         with progress("plan", f"resolving {model}") as status:
-            spec, inputs, config = _setup(model, input_shape, seq_len, "train", optimizer,
-                                          precision, False, False, model_kwargs, **settings)
+            step = resolve_step(model, checkpointing=False, **words, **settings)
             from batchfit.speed.plan import plan
 
             def on_layout(label: str) -> None:
                 status.update(f"{model}: {label}")
 
-            result = plan(spec.factory, inputs, config, gpus=gpus, global_batch=global_batch,
+            result = plan(step.spec.factory, step.inputs, step.config, gpus=gpus, global_batch=global_batch,
                           nodes=nodes,
                           strategies=[s.strip() for s in strategies.split(",") if s.strip()]
                           if strategies else None,
@@ -86,7 +62,7 @@ def plan_cmd(
         written = outputs.write_answer_report(
             "plan", data, f"batchfit plan {model} on {gpus}, global batch {global_batch}", html)
         if as_json:
-            _emit_json(data)
+            emit_json(data)
             return
         from batchfit.cli.report import render_plan
 

@@ -8,7 +8,9 @@ from typing import Any, Optional
 import typer
 
 from batchfit.cli import outputs
-from batchfit.cli.app import DebugOpt, HtmlOpt, JsonOpt, KwargsOpt, _emit_json, _errors, app, out
+from batchfit.cli.app import app
+from batchfit.cli.common import emit_json, errors, out
+from batchfit.cli.options import option
 from batchfit.cli.progress import progress
 from batchfit.engine.spec import parse_size
 
@@ -43,12 +45,12 @@ def serve_cmd(
     vllm_engine: str = typer.Option("v1", "--vllm-engine", help="v1, or v0 (vLLM <= 0.6: its "
                                     "profile run samples with top-p/top-k, a sort of the "
                                     "logits)"),
-    model_kwargs: Optional[list[str]] = KwargsOpt, html: Optional[str] = HtmlOpt,
-    as_json: bool = JsonOpt, debug: bool = DebugOpt,
+    model_kwargs: Optional[list[str]] = option("model_kwargs"),
+    html: Optional[str] = option("html"), as_json: bool = option("as_json"), debug: bool = option("debug"),
 ) -> None:
     """Serving capacity: KV-cache bytes per token, blocks, tokens and concurrent sequences."""
     head = {"model": model, "gpu": gpu, "engine": engine} if as_json else None
-    with _errors(debug, json_head=head):
+    with errors(debug, json_head=head):
         outputs.check_outputs(html, None)
         from batchfit.answers.serve import serve_capacity
         from batchfit.models.resolve import parse_model_kwargs
@@ -68,7 +70,7 @@ def serve_cmd(
         written = outputs.write_answer_report("serve", data, f"batchfit serve {model} on {gpu}",
                                               html)
         if as_json:
-            _emit_json(data)
+            emit_json(data)
             return
         from batchfit.cli.report import render_serve
 

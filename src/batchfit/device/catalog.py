@@ -85,7 +85,7 @@ from importlib import resources
 from types import MappingProxyType
 from typing import Any
 
-from batchfit.errors import InvalidInputError
+from batchfit.errors import InvalidInputError, option
 
 #: The precisions a card can list a peak rate for, as in the CSV's ``*_tflops`` columns.
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
@@ -345,7 +345,7 @@ def live_gpu(index: int = 0) -> GPU:
         devices = "device" if count == 1 else "devices"
         raise InvalidInputError(
             f"no CUDA device cuda:{index}: this machine has {count} CUDA {devices}; "
-            "use --gpu NAME to predict for a card you don't have")
+            f"use {option('gpu', 'NAME')} to predict for a card you don't have")
     props = torch.cuda.get_device_properties(index)
     is_rocm = torch.version.hip is not None
     arch = props.gcnArchName.split(":")[0] if is_rocm else None
@@ -546,6 +546,7 @@ def _bandwidth_from_props(props: Any, index: int) -> float:
     if not clock_khz or not bus_bits:
         raise InvalidInputError(
             f"cuda:{index} ({props.name!r}) is not in the GPU catalog and this torch does not "
-            "report its memory bus; use --gpu NAME with the closest card (batchfit gpus lists all)")
+            f"report its memory bus; use {option('gpu', 'NAME')} with the closest card "
+            "(batchfit gpus lists all)")
     # Double data rate: two transfers per clock, as in CUDA's bandwidthTest.
     return 2.0 * clock_khz * 1e3 * bus_bits / 8

@@ -30,7 +30,7 @@ from enum import StrEnum
 from typing import Any
 
 from batchfit.device.allocator import AllocatorConfig
-from batchfit.errors import InvalidInputError, MemoryBelowOverheadError
+from batchfit.errors import InvalidInputError, MemoryBelowOverheadError, option
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -242,5 +242,5 @@ def _check_room_for_overheads(profile: DeviceProfile) -> None:
         raise MemoryBelowOverheadError(
             f"memory {memory:,} B is below the {needed:,} B that {profile.name} needs before "
             f"any tensor (CUDA context {profile.context_bytes:,} B + cuBLAS workspaces "
-            f"{profile.workspace_bytes:,} B): give more memory (--memory) or a smaller context "
-            "(--overhead)", needed_bytes=needed, given_bytes=memory)
+            f"{profile.workspace_bytes:,} B): give more memory ({option('memory')}) or a smaller "
+            f"context ({option('overhead')})", needed_bytes=needed, given_bytes=memory)

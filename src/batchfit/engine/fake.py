@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from batchfit.errors import InvalidInputError, ModelSpecError
+from batchfit.errors import InvalidInputError, ModelSpecError, option
 
 
 def _fake_like(tensor: torch.Tensor, float_dtype: torch.dtype | None,
@@ -197,7 +197,8 @@ def enable_checkpointing(model: nn.Module, use_reentrant: bool = False) -> None:
     else:
         raise InvalidInputError(
             f"{type(model).__name__} has no built-in activation checkpointing: "
-            "wrap its blocks in torch.utils.checkpoint.checkpoint yourself and drop --checkpointing")
+            "wrap its blocks in torch.utils.checkpoint.checkpoint yourself and drop "
+            f"{option('checkpointing', True)}")
 
 
 def fake_twin(meta_model: nn.Module, fake_mode: Any, float_dtype: torch.dtype | None,

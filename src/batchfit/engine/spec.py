@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Mapping
 
-from batchfit.errors import InvalidInputError
+from batchfit.errors import InvalidInputError, option
 
 
 def _choices(enum: type[StrEnum]) -> str:
@@ -338,12 +338,13 @@ class TrainConfig:
             object.__setattr__(self, "transformers_version",
                                parse_version(self.transformers_version))
             if self.loss is LossKind.CHUNKED:
-                raise InvalidInputError("--transformers-version models transformers' own loss; "
-                                        "--loss chunked replaces it: give one of them")
+                raise InvalidInputError(
+                    f"{option('transformers_version')} models transformers' own loss; "
+                    f"{option('loss', 'chunked')} replaces it: give one of them")
         if self.inference_mode and self.mode is Mode.TRAIN:
-            raise InvalidInputError("--inference-mode goes with --mode infer (inference_mode=True "
-                                    "with mode='infer'): a training step cannot run under "
-                                    "torch.inference_mode()")
+            raise InvalidInputError(f"{option('inference_mode', True)} goes with "
+                                    f"{option('mode', 'infer')}: a training step cannot run "
+                                    "under torch.inference_mode()")
         steps = self.grad_accum_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InvalidInputError(

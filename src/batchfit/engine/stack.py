@@ -70,7 +70,7 @@ import re
 from dataclasses import dataclass
 from importlib import metadata
 
-from batchfit.errors import InvalidInputError
+from batchfit.errors import InvalidInputError, option
 
 MiB = 1 << 20
 
@@ -200,15 +200,16 @@ class Stack:
         """
         if stack is not None:
             if torch_version is not None or cuda_version is not None:
-                raise InvalidInputError("give --stack or --torch-version/--cuda-version, not both")
+                raise InvalidInputError(f"give {option('stack')} or {option('torch_version')}/"
+                                        f"{option('cuda_version')}, not both")
             parts = re.split(r"[+/ ]", stack.strip(), maxsplit=1)
             if len(parts) != 2 or not parts[1]:
                 raise InvalidInputError(
-                    f"malformed --stack {stack!r}: write torch and CUDA versions like "
+                    f"malformed {option('stack')} {stack!r}: write torch and CUDA versions like "
                     "torch2.4+cu124 or 2.4/12.4")
             torch_version, cuda_version = parts
         installed_torch, installed_cuda = _installed()
-        flag = "--torch-version" if stack is None else "--stack"
+        flag = option("torch_version" if stack is None else "stack")
         text = torch_version if torch_version is not None else installed_torch
         torch_v = _version(text, "torch", flag)
         local = text.partition("+")[2]
@@ -219,7 +220,7 @@ class Stack:
                 cuda_version = _default_cuda(torch_v)
             else:
                 cuda_version = installed_cuda or _default_cuda(torch_v)
-        cuda_flag = "--cuda-version" if stack is None else "--stack"
+        cuda_flag = option("cuda_version" if stack is None else "stack")
         cuda_v = _cuda_tag(cuda_version) or _version(cuda_version, "CUDA", cuda_flag)
         _check_known(torch_v, cuda_v, installed_torch, flag, cuda_flag)
         if cudnn_version is None:
@@ -399,7 +400,8 @@ def _check_known(torch_v: tuple[int, int], cuda_v: tuple[int, int], installed: s
 
 
 def _cudnn_of(torch_v: tuple[int, int], cuda_v: tuple[int, int], installed: str) -> int:
-    installed_v = _version(installed, "torch", "--torch-version") if installed != "0.0" else None
+    installed_v = (_version(installed, "torch", option("torch_version"))
+                   if installed != "0.0" else None)
     builds = _RELEASES.get(torch_v)
     if torch_v == installed_v and (builds is None or cuda_v not in builds):
         version = _installed_cudnn()

@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchfit.engine.spec import InputSpec, TensorSpec, parse_enum
-from batchfit.errors import BatchfitError, InvalidInputError, ModelSpecError
+from batchfit.errors import BatchfitError, InvalidInputError, ModelSpecError, option
 from batchfit.models import hub
 from batchfit.models.hf_configs import find_hf_config, hf_config_names
 from batchfit.models.modelspec import (  # noqa: F401 - re-exported: resolve's API
@@ -164,7 +164,8 @@ def _with_packing(spec: ModelSpec) -> ModelSpec:
     inputs: the values (where documents restart) set no shape, so any layout traces alike."""
     if not spec.is_token_model or not isinstance(spec.input_spec, Mapping):
         raise InvalidInputError(
-            f"--packing applies to Hugging Face token models; '{spec.name}' is not one")
+            f"{option('packing', True)} applies to Hugging Face token models; '{spec.name}' is "
+            "not one")
     tokens = _token_tensor(spec.input_spec)
     positions = TensorSpec(tokens.shape, "int64", low=0, high=tokens.shape[0])
     return replace(spec, input_spec={**spec.input_spec, "position_ids": positions})
@@ -567,7 +568,7 @@ def _check_positions(config: Any, source: _HFSource, seq_len: int) -> None:
         field = "n_positions" if config.model_type == "gpt2" else "max_position_embeddings"
         raise InvalidInputError(
             f"sequence length {seq_len} exceeds the {limit} positions of {source.label}: use "
-            f"--seq-len {limit} or less, or pass the model argument {field}=N")
+            f"{option('seq_len', limit)} or less, or pass the model argument {field}=N")
 
 
 def _hf_input_spec(config: Any, task: HFTask, vocab_size: int,
@@ -632,15 +633,15 @@ def _apply_input_overrides(spec: ModelSpec, seq_len: int | None,
     if seq_len is not None:
         if not spec.is_token_model:
             raise InvalidInputError(
-                f"--seq-len applies to token models; '{spec.name}' takes no token ids: set "
-                "its input shape with --input")
+                f"{option('seq_len')} applies to token models; '{spec.name}' takes no token "
+                f"ids: set its input shape with {option('input_shape')}")
         spec = replace(spec, input_spec=_with_seq_len(spec.input_spec, spec.default_seq_len,
                                                       seq_len))
     if input_shape is not None:
         if spec.is_token_model:
             raise InvalidInputError(
-                f"'{spec.name}' takes token ids: set the sequence length with --seq-len, "
-                "not --input")
+                f"'{spec.name}' takes token ids: set the sequence length with "
+                f"{option('seq_len')}, not {option('input_shape')}")
         spec = replace(spec, input_spec=_with_shape(spec, input_shape))
     return spec
 
@@ -666,5 +667,6 @@ def _with_shape(spec: ModelSpec, shape: tuple[int, ...]) -> TensorSpec:
     if isinstance(spec.input_spec, TensorSpec):
         return replace(spec.input_spec, shape=shape)
     raise InvalidInputError(
-        f"'{spec.name}' takes several input tensors: --input sets a single tensor; describe "
+        f"'{spec.name}' takes several input tensors: {option('input_shape')} sets a single "
+        "tensor; describe "
         "the inputs in a factory file (path/to/file.py:factory returning an input_spec)")

@@ -23,7 +23,7 @@ from enum import StrEnum
 from typing import Any
 
 from batchfit.engine.spec import parse_enum
-from batchfit.errors import InvalidInputError
+from batchfit.errors import InvalidInputError, option
 
 
 class Strategy(StrEnum):
@@ -155,37 +155,41 @@ class Parallelism:
         object.__setattr__(self, "offload", offload)
         object.__setattr__(self, "deepspeed", dict(self.deepspeed))
         world = _positive_int(self.world_size, "world size", ": the number of GPUs, e.g. 8")
-        tp = _positive_int(self.tp, "--tp", ": the tensor-parallel degree, e.g. 2")
-        nodes = _positive_int(self.nodes, "--nodes", ": the number of machines, e.g. 2")
+        tp = _positive_int(self.tp, option("tp"), ": the tensor-parallel degree, e.g. 2")
+        nodes = _positive_int(self.nodes, option("nodes"), ": the number of machines, e.g. 2")
         if world % tp:
             raise InvalidInputError(
-                f"world size {world} is not divisible by --tp {tp}: the tensor-parallel "
-                f"groups must tile the world (e.g. --world-size {tp * max(1, world // tp + 1)}"
-                f" --tp {tp})")
+                f"world size {world} is not divisible by {option('tp', tp)}: the "
+                "tensor-parallel groups must tile the world (e.g. "
+                f"{option('world_size', tp * max(1, world // tp + 1))} {option('tp', tp)})")
         if world % nodes:
             raise InvalidInputError(
-                f"world size {world} is not divisible by --nodes {nodes}: give every node "
+                f"world size {world} is not divisible by {option('nodes', nodes)}: give every node "
                 "the same number of GPUs")
         if strategy is Strategy.TP and tp == 1:
             raise InvalidInputError(
-                "--strategy tp needs a tensor-parallel degree: add --tp N (N > 1)")
+                f"{option('strategy', 'tp')} needs a tensor-parallel degree: add "
+                f"{option('tp', 'N')} (N > 1)")
         if tp > 1 and strategy not in _WITH_TP:
             raise InvalidInputError(
-                f"--tp {tp} combines with --strategy tp or fsdp (2-D: tensor parallel within "
+                f"{option('tp', tp)} combines with {option('strategy', 'tp')} or fsdp (2-D: "
+                "tensor parallel within "
                 f"a group, FSDP across groups), not with {strategy.value}")
         if offload not in _OFFLOADS[strategy]:
             has = ", ".join(o.value for o in sorted(_OFFLOADS[strategy]) if o is not Offload.NONE)
             raise InvalidInputError(
-                f"--strategy {strategy.value} has no --offload {offload.value}"
+                f"{option('strategy', strategy.value)} has no "
+                f"{option('offload', offload.value)}"
                 + (f": it offers {has}" if has else ": it offloads nothing")
                 + (" (DeepSpeed offloads parameters only in ZeRO-3)" if strategy.is_zero else ""))
         if strategy is Strategy.HSDP and nodes == 1:
             raise InvalidInputError(
-                "--strategy hsdp shards within a node and replicates across nodes: give "
-                "--nodes M (M > 1), or use --strategy fsdp on one node")
+                f"{option('strategy', 'hsdp')} shards within a node and replicates across "
+                f"nodes: give {option('nodes', 'M')} (M > 1), or use "
+                f"{option('strategy', 'fsdp')} on one node")
         if strategy.is_zero and importlib.util.find_spec("deepspeed") is None:
             raise InvalidInputError(
-                f"--strategy {strategy.value} needs DeepSpeed: pip install deepspeed "
+                f"{option('strategy', strategy.value)} needs DeepSpeed: pip install deepspeed "
                 "(or pip install 'batchfit[deepspeed]')")
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) \
                 or self.prefetch < 0:

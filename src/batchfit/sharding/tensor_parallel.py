@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from batchfit.errors import InvalidInputError
+from batchfit.errors import InvalidInputError, option
 
 
 def _styles() -> dict[str, Any]:
@@ -54,7 +54,8 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     base = getattr(config, "base_model_tp_plan", None)
     if not base:
         raise InvalidInputError(
-            f"{type(model).__name__} has no tensor-parallel plan: --strategy tp uses the "
+            f"{type(model).__name__} has no tensor-parallel plan: {option('strategy', 'tp')} "
+            "uses the "
             "plan Hugging Face models of the Llama family ship (config.base_model_tp_plan)")
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and not hasattr(model, prefix):
@@ -86,5 +87,5 @@ def _check_heads(model: nn.Module, degree: int) -> None:
         heads = getattr(config, name, None)
         if isinstance(heads, int) and heads % degree:
             raise InvalidInputError(
-                f"--tp {degree} does not divide the model's {name} ({heads}): each rank "
+                f"{option('tp', degree)} does not divide the model's {name} ({heads}): each rank "
                 "must hold whole attention heads")

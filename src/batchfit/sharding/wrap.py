@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from batchfit.errors import InvalidInputError
+from batchfit.errors import InvalidInputError, option
 
 
 def sharded_units(model: nn.Module, wrap: Any = None) -> list[tuple[str, nn.Module]]:
@@ -89,6 +89,6 @@ def _nothing_to_wrap(model: nn.Module, wrap: Any) -> str:
     if wrap is None:
         return (f"cannot find {name}'s layers to shard: it has no list of repeated blocks "
                 "(a ModuleList or Sequential of two or more blocks of one class); name the "
-                "block class with --wrap ClassName (wrap=(BlockClass,))")
+                f"block class with {option('wrap', 'ClassName')}")
     return (f"no module of {name} matches the wrap policy {wrap!r}: name a class that the "
             "model contains and that has parameters")

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from batchfit.errors import InvalidInputError, ModelSpecError
+from batchfit.errors import InvalidInputError, ModelSpecError, option
 from batchfit.engine.workloads.spec import ALL_LINEAR, AdapterDtype, LoraSpec, QuantMethod, QuantSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,9 +98,9 @@ def apply_workload(model: nn.Module, workload: Any, *, precision: Any, checkpoin
 
     if is_keras_model(model):
         raise InvalidInputError(
-            f"--lora/--quant adapt torch modules with peft and bitsandbytes; "
+            f"{option('lora')}/{option('quant')} adapt torch modules with peft and bitsandbytes; "
             f"{type(model).__name__} is a Keras model (Keras has its own model.enable_lora(rank) "
-            "and quantize()): drop --lora/--quant")
+            f"and quantize()): drop {option('lora')}/{option('quant')}")
     with _quiet():
         if workload.quant is not None or workload.lora is not None:
             import_bitsandbytes()  # before peft, which imports it (see import_bitsandbytes)
@@ -136,11 +136,13 @@ def quantize(model: nn.Module, quant: QuantSpec, dtype: torch.dtype) -> nn.Modul
     linear = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     if not linear:
         raise InvalidInputError(
-            f"--quant {quant.method.value}: {type(model).__name__} has no nn.Linear layer to "
-            "quantize (bitsandbytes quantizes linear layers only); drop --quant")
+            f"{option('quant', quant.method.value)}: {type(model).__name__} has no nn.Linear "
+            f"layer to quantize (bitsandbytes quantizes linear layers only); drop "
+            f"{option('quant')}")
     if not hasattr(model, "config"):
         raise InvalidInputError(
-            f"--quant needs a transformers model (hf:NAME); {type(model).__name__} is not one")
+            f"{option('quant')} needs a transformers model (hf:NAME); {type(model).__name__} "
+            "is not one")
     weights = {n: m.weight for n, m in model.named_modules() if type(m) is nn.Linear}
     biases = {n: m.bias for n, m in model.named_modules() if type(m) is nn.Linear}
     _prime_code_books()
@@ -163,7 +165,7 @@ def quantize(model: nn.Module, quant: QuantSpec, dtype: torch.dtype) -> nn.Modul
         replaced += 1
     if not replaced:
         raise InvalidInputError(
-            f"--quant {quant.method.value}: no linear layer of {type(model).__name__} was "
+            f"{option('quant', quant.method.value)}: no linear layer of {type(model).__name__} was "
             "quantized (all are kept in full precision by the skip list)")
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer

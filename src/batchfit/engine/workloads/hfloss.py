@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchfit.errors import InvalidInputError
+from batchfit.errors import InvalidInputError, option
 
 #: Where the causal-LM loss changed (see the module docstring).
 SHIFT_COPY_IN_LOSS = (4, 46)
@@ -51,10 +51,11 @@ def parse_version(text: str | tuple[int, int] | None) -> tuple[int, int] | None:
         major, minor = int(parts[0]), int(parts[1])
     except (ValueError, IndexError):
         raise InvalidInputError(
-            f"malformed --transformers-version {text!r}: write it like 4.46 or 4.46.3") from None
+            f"malformed {option('transformers_version')} {text!r}: write it like 4.46 or "
+            "4.46.3") from None
     if (major, minor) < (4, 28):
         raise InvalidInputError(
-            f"--transformers-version {text}: batchfit models the causal-LM loss from 4.28 "
+            f"{option('transformers_version', text)}: batchfit models the causal-LM loss from 4.28 "
             "(Llama's first release) on")
     return major, minor
 
@@ -123,7 +124,7 @@ def apply_transformers_loss(model: nn.Module, version: tuple[int, int]) -> None:
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if head is None or not hasattr(type(base), "loss_function"):
         raise InvalidInputError(
-            f"--transformers-version models a causal language model's loss; "
+            f"{option('transformers_version')} models a causal language model's loss; "
             f"{type(base).__name__} has no output embeddings and loss function")
     if wanted == "pad-labels":
         base.loss_function = causal_lm_loss_padded_labels

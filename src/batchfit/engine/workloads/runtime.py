@@ -44,7 +44,7 @@ import torch
 
 from batchfit.engine.spec import TrainConfig
 from batchfit.engine.target import Target
-from batchfit.errors import InvalidInputError
+from batchfit.errors import InvalidInputError, option
 
 #: bitsandbytes' CUDA dispatch: above this many rows the fallback always runs.
 GEMM_4BIT_CUSTOM_MAX_M = 1536
@@ -270,7 +270,7 @@ def apply_chunked_loss(model: torch.nn.Module) -> None:
         )
     except ImportError as exc:
         raise InvalidInputError(
-            "--loss chunked uses Liger-Kernel's fused linear cross-entropy: "
+            f"{option('loss', 'chunked')} uses Liger-Kernel's fused linear cross-entropy: "
             "pip install liger-kernel") from exc
     base = model
     while hasattr(base, "get_base_model") and base.get_base_model() is not base:
@@ -278,8 +278,8 @@ def apply_chunked_loss(model: torch.nn.Module) -> None:
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise InvalidInputError(
-            f"--loss chunked: Liger-Kernel has no fused cross-entropy for model type "
-            f"{model_type!r}; use --loss standard")
+            f"{option('loss', 'chunked')}: Liger-Kernel has no fused cross-entropy for model "
+            f"type {model_type!r}; use {option('loss', 'standard')}")
     _apply_liger_kernel_to_instance(base, fused_linear_cross_entropy=True, rope=False,
                                     rms_norm=False, swiglu=False, cross_entropy=False,
                                     layer_norm=False, geglu=False)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from batchfit.errors import InvalidInputError
+from batchfit.errors import InvalidInputError, option
 
 ALL_LINEAR = "all-linear"
 
@@ -137,7 +137,7 @@ class QuantSpec:
             object.__setattr__(self, "method", QuantMethod(text))
         except ValueError:
             raise InvalidInputError(
-                f"unknown --quant {self.method!r}: choose one of "
+                f"unknown {option('quant')} {self.method!r}: choose one of "
                 f"{', '.join(m.value for m in QuantMethod)}") from None
         if self.compute_dtype is not None and self.compute_dtype not in (
                 "float32", "bfloat16", "float16"):
@@ -191,12 +191,12 @@ def parse_lora(text: str) -> LoraSpec:
         if not sep or key not in _LORA_KEYS:
             known = "r, alpha, dropout, targets, save, dtype, bias, dora"
             raise InvalidInputError(
-                f"unknown --lora key {key!r}: use {known} (e.g. --lora r=16,alpha=32,"
-                "targets=all-linear)" if sep else
-                f"malformed --lora item {item!r}: write key=value, e.g. r=16")
+                f"unknown {option('lora')} key {key!r}: use {known} (e.g. "
+                f"{option('lora', 'r=16,alpha=32,targets=all-linear')})" if sep else
+                f"malformed {option('lora')} item {item!r}: write key=value, e.g. r=16")
         name = _LORA_KEYS[key]
         if name in fields:
-            raise InvalidInputError(f"--lora key {key!r} given twice")
+            raise InvalidInputError(f"{option('lora')} key {key!r} given twice")
         fields[name] = _lora_value(name, value.strip())
     return LoraSpec(**fields)
 
@@ -208,10 +208,10 @@ def _lora_value(name: str, value: str) -> Any:
         if name in ("alpha", "dropout"):
             return float(value)
     except ValueError:
-        raise InvalidInputError(f"--lora {name}={value!r} is not a number") from None
+        raise InvalidInputError(f"{option('lora')} {name}={value!r} is not a number") from None
     if name == "dora":
         if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-            raise InvalidInputError(f"--lora dora={value!r}: use true or false")
+            raise InvalidInputError(f"{option('lora')} dora={value!r}: use true or false")
         return value.lower() in ("true", "1", "yes")
     if name == "targets":
         parts = tuple(p.strip() for p in value.split("+") if p.strip())

@@ -1,0 +1,97 @@
+"""The public entry points, called with a model object and inputs, or in words: a model spec
+string and the CLI's option names as keywords.
+
+``batchfit.max_batch_size("hf:meta-llama/Llama-3.2-1B", gpu="RTX 4090", seq_len=512,
+lora="r=8", quant="nf4")`` answers what ``batchfit max hf:meta-llama/Llama-3.2-1B --gpu
+"RTX 4090" --seq-len 512 --lora r=8 --quant nf4`` answers: both go through
+:mod:`batchfit.api.answers`, which decides every default. The mapping of flags to keywords
+is in ``docs/guides/python-api.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchfit.api.answers import (
+    Answer,
+    estimate_words,
+    max_batch_words,
+    max_seq_len_words,
+    predict_throughput_words,
+)
+
+__all__ = ["Answer", "estimate", "max_batch_size", "max_seq_len", "predict_throughput"]
+
+
+def estimate(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """Predict the peak memory of one step.
+
+    ``estimate(model, inputs, batch_size, config=None, *, device=..., ...)`` with a module or
+    factory (:func:`batchfit.answers.estimate.estimate`); ``estimate("timm:resnet50",
+    batch_size=32, gpu="A100 80GB")`` with a spec string and the CLI's names
+    (:func:`batchfit.api.answers.estimate_words`, an :class:`Answer`).
+
+    Example:
+        >>> import batchfit
+        >>> answer = batchfit.estimate("torchvision:resnet18", batch_size=2, device="cpu")
+        >>> answer.peak_allocated_bytes > 0
+        True
+    """
+    if isinstance(model, str):
+        return estimate_words(model, *args, **kwargs)
+    from batchfit.answers.estimate import estimate as estimate_module
+
+    return estimate_module(model, *args, **kwargs)
+
+
+def max_batch_size(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """The largest batch that fits.
+
+    ``max_batch_size(model, inputs, config=None, *, device=..., ...)`` with a module or
+    factory (:func:`batchfit.answers.maxbatch.max_batch_size`); ``max_batch_size(
+    "hf:meta-llama/Llama-3.2-1B", gpu="RTX 4090", seq_len=512, lora="r=8", quant="nf4")``
+    with a spec string and the CLI's names (:func:`batchfit.api.answers.max_batch_words`,
+    an :class:`Answer`).
+
+    Example:
+        >>> import batchfit
+        >>> answer = batchfit.max_batch_size("torchvision:resnet18", gpu="T4")
+        >>> answer.max_batch_size > 0
+        True
+    """
+    if isinstance(model, str):
+        return max_batch_words(model, *args, **kwargs)
+    from batchfit.answers.maxbatch import max_batch_size as max_batch_module
+
+    return max_batch_module(model, *args, **kwargs)
+
+
+def max_seq_len(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """The longest sequence that fits at a batch size (token models).
+
+    ``max_seq_len(model, inputs, batch_size, config=None, *, device=..., ...)`` with a module
+    or factory (:func:`batchfit.answers.maxbatch.max_seq_len`); ``max_seq_len("hf:gpt2",
+    batch_size=4, gpu="T4")`` with a spec string and the CLI's names
+    (:func:`batchfit.api.answers.max_seq_len_words`, an :class:`Answer`).
+    """
+    if isinstance(model, str):
+        return max_seq_len_words(model, *args, **kwargs)
+    from batchfit.answers.maxbatch import max_seq_len as max_seq_len_module
+
+    return max_seq_len_module(model, *args, **kwargs)
+
+
+def predict_throughput(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """Predicted step time and throughput against batch size, without the device.
+
+    ``predict_throughput(model, inputs, config=None, *, gpu=..., ...)`` with a module or
+    factory (:func:`batchfit.speed.roofline.predict_throughput`); ``predict_throughput(
+    "timm:resnet50", gpu="A100 80GB", batches=[64, 128])`` with a spec string and the names
+    of ``batchfit bench --predict`` (:func:`batchfit.api.answers.predict_throughput_words`,
+    an :class:`Answer`).
+    """
+    if isinstance(model, str):
+        return predict_throughput_words(model, *args, **kwargs)
+    from batchfit.speed.roofline import predict_throughput as predict_module
+
+    return predict_module(model, *args, **kwargs)
