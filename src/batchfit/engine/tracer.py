@@ -366,7 +366,7 @@ class Tracer:
             numel = tensor.numel()
             if numel > self.largest[0]:
                 self.largest = (numel, op, module)
-        copies = input_copies_for(func)
+        copies = input_copies_for(func, cuda=self._cuda_target)
         before, after = copies(args) if copies is not None else (0, 0)
         if self._stack is not None and (name := str(func)) in LIMIT_RULES:
             outputs = [t for t in ti.iter_tensors(out) if isinstance(t, torch.Tensor)]
