@@ -65,6 +65,7 @@ def plan_cmd(
         with progress("plan", f"resolving {model}") as status:
             spec, inputs, config = _setup(model, input_shape, seq_len, "train", optimizer,
                                           precision, False, False, model_kwargs, **settings)
+            from batchfit.models.resolve import checkpoint_dtype
             from batchfit.speed.plan import plan
 
             def on_layout(label: str) -> None:
@@ -78,6 +79,9 @@ def plan_cmd(
                           checkpointing=checkpointing_policy.strip().lower(),
                           offload=offload_policy.strip().lower(),
                           network_bytes_per_s=network_gbs * 1e9 if network_gbs else None,
+                          precision=precision,
+                          checkpoint_dtype=checkpoint_dtype(model)
+                          if model.strip().startswith("hf:") else None,
                           on_layout=on_layout)
         if as_json:
             _emit_json({"model": model, **result.to_dict()})
