@@ -383,6 +383,9 @@ _CUDA_INPUT_COPIES: dict[Any, InputCopies] = {
 }
 
 
+_CUDA_RULE_NAMES = frozenset(str(op) for op in _CUDA_INPUT_COPIES)
+
+
 def input_copies_for(op: Any, cuda: bool = False) -> InputCopies | None:
     """The rule for the input copies and in-call temporaries ``op``'s kernel makes (on a
     CUDA target when ``cuda``, else on the CPU), or None."""
@@ -391,10 +394,14 @@ def input_copies_for(op: Any, cuda: bool = False) -> InputCopies | None:
     return _INPUT_COPIES.get(op)
 
 
-def input_copy_op(op: str) -> str:
+def input_copy_op(op: str, cuda: bool = False) -> str:
     """The op name a trace gives the input copy a kernel makes (these rules, and the
     convolution's in :func:`batchfit.engine.cudnn.input_copy_bytes`), e.g.
-    ``contiguous input copy (aten.convolution.default)``."""
+    ``contiguous input copy (aten.convolution.default)``; for a kernel whose CUDA rule
+    also counts temporaries that are no copy (softmax backward's ``grad * output``), on a
+    CUDA target: ``kernel temporaries (aten._softmax_backward_data.default)``."""
+    if cuda and op in _CUDA_RULE_NAMES:
+        return f"kernel temporaries ({op})"
     return f"contiguous input copy ({op})"
 
 

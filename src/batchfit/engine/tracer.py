@@ -414,7 +414,7 @@ class Tracer:
         (before the op's outputs, as the kernel copies first) or now; the caller frees it
         when the call returns."""
         alloc = Event(EventKind.ALLOC, next(_UIDS), nbytes, Category.TEMPORARIES, where or "",
-                      input_copy_op(str(func)), self.phase)
+                      input_copy_op(str(func), cuda=self._cuda_target), self.phase)
         if at is None:
             self.events.append(alloc)
         else:
