@@ -98,6 +98,9 @@ def test_cli_reads_the_cache_and_refuses_offline(hf_cache):
     missing = runner.invoke(app, words)
     assert missing.exit_code == 2
     assert "HF_HUB_OFFLINE" in missing.output
+    # one line, saying how to fix it (no traceback without --debug), even under --json
+    assert len(missing.output.strip().splitlines()) == 1
+    assert "hf download HuggingFaceTB/SmolLM2-1.7B config.json" in missing.output
     hf_cache("HuggingFaceTB/SmolLM2-1.7B", {**SMOLLM2_17B, "num_hidden_layers": 1})
     found = runner.invoke(app, words)
     assert found.exit_code == 0, found.output
