@@ -660,7 +660,7 @@ def test_every_cuda_total_matches_the_figure_its_source_quotes():
     with_total = [g for g in load_catalog() if g.cuda_total_bytes is not None]
     # the datacenter cards whose public reports were found (the rest stay empty)
     assert {g.key for g in with_total} >= {"t4", "a100-40gb", "a100-pcie-80gb", "a10", "l40",
-                                          "h100-sxm"}
+                                          "h100-sxm", "h200", "b200"}
     for gpu in with_total:
         url, _, quote = gpu.cuda_total_source.partition(" | ")
         assert urlparse(url).scheme == "https" and quote, gpu.key
@@ -691,6 +691,16 @@ def test_a_3090_reports_23_70_gib_of_its_24():
     assert gpu.memory_bytes == 24 * GIB  # the marketed figure, which names resolve by
     assert find_gpu("RTX 3090 24GB") is gpu
     assert gpu.to_dict()["cuda_total_bytes"] == 25_446_842_368
+
+
+def test_hopper_and_blackwell_hbm_cards_report_what_torch_printed_on_them():
+    # torch's OOM messages on an H200 node and a B200 (stas00/ml-engineering, debug/
+    # pytorch.md): "total capacity of 139.80 GiB" and "of 178.35 GiB";
+    # 139.80 * 1024 = 143,155.2 and 178.35 * 1024 = 182,630.4 MiB, rounded down.
+    assert find_gpu("H200").usable_memory_bytes == 143_155 * 2**20
+    assert find_gpu("B200").usable_memory_bytes == 182_630 * 2**20
+    assert find_gpu("H200").memory_bytes == 141 * GIB  # the marketed figure stays
+    assert find_gpu("B200").memory_bytes == 180 * GIB
 
 
 def test_a_card_without_a_report_keeps_its_memory():

@@ -175,3 +175,57 @@ def test_safe_softmax_is_traced_as_the_real_composite_allocates() -> None:
     assert traced == measured
     # the input (1 MiB), the softmax output and the boolean at once, with the row mask
     assert peak_live_bytes(events) == (1 << 20) * 2 + 256 * 1024 + 1024 + 4
+
+
+def test_cuda_softmax_backward_holds_grad_times_output_by_hand() -> None:
+    # softmax_backward_cuda_out (aten/src/ATen/native/cuda/SoftMax.cu): ``Tensor tmp = grad *
+    # output;`` after grad_input is allocated, alive for the call. Eager attention's
+    # ``softmax(scores, dtype=torch.float32)`` over (2, 4, 64, 64): grad and output are
+    # float32, so tmp is 2*4*64*64*4 = 131,072 B; fp16 grad and output: 65,536 B. The CPU
+    # kernel (softmax_backward_cpu_out) has no such temporary, nor has log-softmax's.
+    op = torch.ops.aten._softmax_backward_data.default
+    f32 = torch.empty(2, 4, 64, 64, device="meta")
+    f16 = f32.to(torch.float16)
+    assert kernels.input_copies_for(op, cuda=True)((f32, f32, -1, torch.float16)) == (0, 131072)
+    assert kernels.input_copies_for(op, cuda=True)((f16, f16, -1, torch.float16)) == (0, 65536)
+    assert kernels.input_copies_for(op)((f32, f32, -1, torch.float16)) == (0, 0)
+    log_op = torch.ops.aten._log_softmax_backward_data.default
+    assert kernels.input_copies_for(log_op, cuda=True)((f32, f32, -1, torch.float32)) == (0, 0)
+    # a strided output is still copied (``output_.contiguous()``), on top of tmp
+    strided = torch.empty(2, 4, 64, 64, device="meta").transpose(-1, -2)
+    assert kernels.input_copies_for(op, cuda=True)((f32, strided, -1, torch.float32)) == (
+        0, 2 * 131072)
+
+
+def test_trace_for_a_gpu_holds_softmax_backwards_temporary_with_its_output() -> None:
+    # Attention weights (4 heads of 64 x 64) per sample at batch 2, float32 on a T4: the
+    # softmax backward's grad_input is 2*4*64*64*4 = 131,072 B and, on a CUDA target only,
+    # ``tmp = grad * output`` of the same size is allocated after it and freed with the call.
+    from torch import nn
+
+    from batchfit import DeviceProfile, TrainConfig
+    from batchfit.device.profile import resolve_device
+    from batchfit.engine.trace import trace_step
+    from batchfit.engine.tracer import EventKind
+
+    class Scores(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(x * self.scale, dim=-1)
+
+    def at_backward(device: DeviceProfile) -> list[tuple[EventKind, str]]:
+        events = trace_step(Scores, (4, 64, 64), 2, TrainConfig(optimizer="sgd"),
+                            device).steady_events
+        return [(e.kind, e.op) for e in events if e.nbytes == 131072
+                and "softmax_backward" in e.op]
+
+    tmp = "kernel temporaries (aten._softmax_backward_data.default)"
+    assert at_backward(resolve_device("T4"))[:3] == [
+        (EventKind.ALLOC, "aten._softmax_backward_data.default"),
+        (EventKind.ALLOC, tmp), (EventKind.FREE, tmp)]
+    # on the CPU: the gradient only (grad and output are dense: no copies either)
+    assert [op for _, op in at_backward(DeviceProfile.cpu())] == [
+        "aten._softmax_backward_data.default"]

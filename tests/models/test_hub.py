@@ -98,6 +98,9 @@ def test_cli_reads_the_cache_and_refuses_offline(hf_cache):
     missing = runner.invoke(app, words)
     assert missing.exit_code == 2
     assert "HF_HUB_OFFLINE" in missing.output
+    # one line, saying how to fix it (no traceback without --debug), even under --json
+    assert len(missing.output.strip().splitlines()) == 1
+    assert "hf download HuggingFaceTB/SmolLM2-1.7B config.json" in missing.output
     hf_cache("HuggingFaceTB/SmolLM2-1.7B", {**SMOLLM2_17B, "num_hidden_layers": 1})
     found = runner.invoke(app, words)
     assert found.exit_code == 0, found.output
@@ -147,3 +150,26 @@ def test_a_table_model_asks_no_network(hf_cache, monkeypatch):
 def test_paths_and_ids():
     assert hub.is_hub_id("HuggingFaceTB/SmolLM2-1.7B") and hub.is_hub_id("gpt2")
     assert not hub.is_hub_id("a/b/c") and not hub.is_hub_id("has space/x")
+
+
+def test_plan_for_a_bfloat16_llm_trains_in_its_dtype_and_says_so(hf_cache):
+    # A one-layer SmolLM2 (its config says torch_dtype bfloat16): with no --precision, plan
+    # computes in bfloat16 with float32 master weights (amp-bf16), as Hugging Face's Trainer
+    # with bf16=True does, and states it; --precision still wins.
+    tiny = {**SMOLLM2_17B, "num_hidden_layers": 1, "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2,
+            "vocab_size": 256}
+    hf_cache("HuggingFaceTB/SmolLM2-1.7B", tiny)
+    words = ["plan", "hf:HuggingFaceTB/SmolLM2-1.7B", "--gpus", "2xA100", "--global-batch",
+             "4", "--seq-len", "16", "--strategies", "ddp", "--checkpointing", "off",
+             "--offload", "none"]
+    runner = CliRunner()
+    native = runner.invoke(app, [*words, "--json"])
+    assert native.exit_code == 0, native.output
+    data = json.loads(native.stdout)
+    assert (data["precision"], data["precision_source"]) == ("amp-bf16", "checkpoint bfloat16")
+    given = json.loads(runner.invoke(app, [*words, "--precision", "fp32", "--json"]).stdout)
+    assert (given["precision"], given["precision_source"]) == ("fp32", "given")
+    table = runner.invoke(app, words)
+    assert table.exit_code == 0, table.output
+    assert "precision: amp-bf16 (the model's bfloat16 checkpoint" in " ".join(table.output.split())

@@ -228,3 +228,23 @@ def test_the_plan_in_pairs_equals_the_plan_in_sequence():
         pytest.skip("no idle core for the worker on this machine right now")
     assert in_pairs["rows"] == in_sequence["rows"]
     assert all(row["feasible"] for row in in_pairs["rows"])
+
+
+def test_plan_precision_follows_a_16_bit_checkpoint_and_the_card():
+    from batchfit.device.catalog import find_gpu
+    from batchfit.engine.spec import Precision
+    from batchfit.speed.plan import plan_precision
+
+    h100, t4 = find_gpu("H100 SXM"), find_gpu("T4")
+    # a bfloat16 checkpoint: mixed precision in bfloat16; a T4 (sm75) has none: float16
+    assert plan_precision(None, "bfloat16", Precision.FP32, h100) == (
+        Precision.AMP_BF16, "checkpoint bfloat16")
+    assert plan_precision(None, "bfloat16", Precision.FP32, t4) == (
+        Precision.AMP_FP16, "checkpoint bfloat16")
+    assert plan_precision(None, "float16", Precision.FP32, h100) == (
+        Precision.AMP_FP16, "checkpoint float16")
+    # a float32 checkpoint, or a model that is not an LLM: the config's precision
+    assert plan_precision(None, "float32", Precision.FP32, h100) == (Precision.FP32, "config")
+    assert plan_precision(None, None, Precision.AMP_BF16, h100) == (Precision.AMP_BF16, "config")
+    # given: it stands
+    assert plan_precision("fp32", "bfloat16", Precision.FP32, h100) == (Precision.FP32, "given")

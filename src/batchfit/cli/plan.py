@@ -44,6 +44,7 @@ def plan_cmd(
         settings = stack_settings(**{key: words.pop(key) for key in STACK_OPTIONS})
         with progress("plan", f"resolving {model}") as status:
             step = resolve_step(model, checkpointing=False, **words, **settings)
+            from batchfit.models.resolve import checkpoint_dtype
             from batchfit.speed.plan import plan
 
             def on_layout(label: str) -> None:
@@ -57,6 +58,9 @@ def plan_cmd(
                           checkpointing=checkpointing_policy.strip().lower(),
                           offload=offload_policy.strip().lower(),
                           network_bytes_per_s=network_gbs * 1e9 if network_gbs else None,
+                          precision=words.get("precision"),
+                          checkpoint_dtype=checkpoint_dtype(model)
+                          if model.strip().startswith("hf:") else None,
                           on_layout=on_layout)
         data = {"model": model, **result.to_dict()}
         written = outputs.write_answer_report(

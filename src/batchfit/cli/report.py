@@ -309,7 +309,10 @@ def render_plan(result: Any, model: str) -> Group:
                       format_bytes(row.memory_per_gpu_bytes), f"{row.compute_s:.3f} s",
                       f"{row.communication_s:.3f} s", f"{row.step_s:.3f} s",
                       f"{row.samples_per_s:,.1f}")
-    lines: list[Any] = [table, *notes]
+    source = {"given": "--precision", "config": "the default; --precision to change"}.get(
+        result.precision_source, f"the model's {result.precision_source.split()[-1]} "
+        "checkpoint; --precision to change")
+    lines: list[Any] = [table, *notes, Text(f"precision: {result.precision} ({source})")]
     if result.best is not None:
         best = result.best
         lines.append(Text(f"fastest: {best.strategy}, micro-batch {best.micro_batch_size} x "

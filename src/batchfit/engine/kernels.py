@@ -362,15 +362,46 @@ _INPUT_COPIES: dict[Any, InputCopies] = {
 }
 
 
-def input_copies_for(op: Any) -> InputCopies | None:
-    """The rule for the input copies ``op``'s kernel makes on CPU and CUDA alike, or None."""
+def _softmax_backward_cuda_copies(args: tuple) -> tuple[int, int]:
+    # softmax_backward_cuda_out (aten/src/ATen/native/cuda/SoftMax.cu) differs from the CPU
+    # kernel: after the structured kernel has allocated grad_input it computes
+    # ``Tensor tmp = grad * output;`` and runs ``host_softmax_backward(tmp, output, ...)``,
+    # which takes ``tmp.contiguous()`` (tmp is dense: no copy) and ``output_.contiguous()``.
+    # tmp has grad's elements in the promoted dtype of grad and output (float32 for
+    # eager attention's ``softmax(..., dtype=torch.float32)``) and dies with the call.
+    # log_softmax_backward_cuda_out passes grad straight through: no such temporary.
+    grad, output = args[0], args[1]
+    tmp_bytes = grad.numel() * torch.empty(
+        (), dtype=torch.promote_types(grad.dtype, output.dtype)).element_size()
+    return 0, tmp_bytes + _dense_copy_bytes(output)
+
+
+#: Rules of kernels whose CUDA implementation allocates otherwise than the CPU one; they
+#: replace the shared rule of ``_INPUT_COPIES`` on a CUDA target.
+_CUDA_INPUT_COPIES: dict[Any, InputCopies] = {
+    torch.ops.aten._softmax_backward_data.default: _softmax_backward_cuda_copies,
+}
+
+
+_CUDA_RULE_NAMES = frozenset(str(op) for op in _CUDA_INPUT_COPIES)
+
+
+def input_copies_for(op: Any, cuda: bool = False) -> InputCopies | None:
+    """The rule for the input copies and in-call temporaries ``op``'s kernel makes (on a
+    CUDA target when ``cuda``, else on the CPU), or None."""
+    if cuda and op in _CUDA_INPUT_COPIES:
+        return _CUDA_INPUT_COPIES[op]
     return _INPUT_COPIES.get(op)
 
 
-def input_copy_op(op: str) -> str:
+def input_copy_op(op: str, cuda: bool = False) -> str:
     """The op name a trace gives the input copy a kernel makes (these rules, and the
     convolution's in :func:`batchfit.engine.cudnn.input_copy_bytes`), e.g.
-    ``contiguous input copy (aten.convolution.default)``."""
+    ``contiguous input copy (aten.convolution.default)``; for a kernel whose CUDA rule
+    also counts temporaries that are no copy (softmax backward's ``grad * output``), on a
+    CUDA target: ``kernel temporaries (aten._softmax_backward_data.default)``."""
+    if cuda and op in _CUDA_RULE_NAMES:
+        return f"kernel temporaries ({op})"
     return f"contiguous input copy ({op})"
 
 

@@ -367,7 +367,7 @@ class Tracer:
             numel = tensor.numel()
             if numel > self.largest[0]:
                 self.largest = (numel, op, module)
-        copies = input_copies_for(func)
+        copies = input_copies_for(func, cuda=self._cuda_target)
         before, after = copies(args) if copies is not None else (0, 0)
         if self._stack is not None and (name := str(func)) in LIMIT_RULES:
             outputs = [t for t in ti.iter_tensors(out) if isinstance(t, torch.Tensor)]
@@ -415,7 +415,7 @@ class Tracer:
         (before the op's outputs, as the kernel copies first) or now; the caller frees it
         when the call returns."""
         alloc = Event(EventKind.ALLOC, next(_UIDS), nbytes, Category.TEMPORARIES, where or "",
-                      input_copy_op(str(func)), self.phase)
+                      input_copy_op(str(func), cuda=self._cuda_target), self.phase)
         if at is None:
             self.events.append(alloc)
         else:

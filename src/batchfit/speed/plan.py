@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Self
 
-from batchfit.engine.spec import Precision, TrainConfig, make_config
+from batchfit.engine.spec import Precision, TrainConfig, make_config, parse_enum
 from batchfit.errors import BatchfitError, InvalidInputError
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -93,6 +93,8 @@ class PlanResult:
     nodes: int
     global_batch_size: int
     rows: tuple[LayoutPlan, ...]
+    precision: str = Precision.FP32.value
+    precision_source: str = "config"
 
     @property
     def best(self) -> LayoutPlan | None:
@@ -100,7 +102,8 @@ class PlanResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"gpu": self.gpu, "world_size": self.world_size, "nodes": self.nodes,
-                "global_batch_size": self.global_batch_size,
+                "global_batch_size": self.global_batch_size, "precision": self.precision,
+                "precision_source": self.precision_source,
                 "best": self.best.to_dict() if self.best else None,
                 "layouts": [row.to_dict() for row in self.rows]}
 
@@ -128,6 +131,7 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
          global_batch: int, nodes: int = 1, strategies: Sequence[str] | None = None,
          tp_degrees: Sequence[int] = (), checkpointing: str = "auto",
          offload: str = "auto", network_bytes_per_s: float | None = None,
+         precision: Precision | str | None = None, checkpoint_dtype: str | None = None,
          on_layout: Callable[[str], None] | None = None, **options: Any) -> PlanResult:
     """Rank multi-GPU layouts of one training step by predicted step time.
 
@@ -145,6 +149,10 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
             fits without it).
         network_bytes_per_s: the network between nodes, per GPU and each way (default
             :data:`~batchfit.device.interconnect.DEFAULT_NETWORK_BYTES_PER_S`).
+        precision: the step's precision; None: :func:`plan_precision` chooses it from
+            ``checkpoint_dtype`` (an LLM's), else the config's.
+        checkpoint_dtype: the dtype the model's checkpoint is stored in (``"bfloat16"``,
+            ``"float16"``; :func:`batchfit.models.resolve.checkpoint_dtype` for ``hf:NAME``).
         on_layout: called with each layout's name before it is evaluated (progress).
     """
     from batchfit.device.catalog import find_gpu
@@ -155,6 +163,8 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
     config = make_config(config, options)
     count, name = parse_gpus(gpus)
     card = find_gpu(name)
+    chosen, source = plan_precision(precision, checkpoint_dtype, config.precision, card)
+    config = replace(config, precision=chosen)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise InvalidInputError(f"--global-batch must be a positive integer, not {global_batch!r}")
     if checkpointing not in ("off", "on", "auto") or offload not in ("none", "auto"):
@@ -181,7 +191,39 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
             rows.append(_best_variant(needs, config, card, layout, global_batch, facts, speed,
                                       network, checkpointing, offload, on_layout))
     rows.sort(key=lambda r: (not r.feasible, r.step_s if r.feasible else 0.0))
-    return PlanResult(card.name, count, nodes, global_batch, tuple(rows))
+    return PlanResult(card.name, count, nodes, global_batch, tuple(rows), chosen.value, source)
+
+
+#: The first compute capability with bfloat16 (Ampere).
+_BF16_FROM_CC = (8, 0)
+
+
+def plan_precision(precision: Precision | str | None, checkpoint_dtype: str | None,
+                   configured: Precision, card: Any) -> tuple[Precision, str]:
+    """The precision a plan trains in, and where it comes from (``"given"``,
+    ``"checkpoint <dtype>"`` or ``"config"``).
+
+    A given precision stands. Otherwise a model whose checkpoint is 16-bit (an LLM's
+    ``config.json`` ``torch_dtype``) trains in mixed precision in that dtype, as Hugging
+    Face's Trainer (``bf16=True``/``fp16=True``) and FSDP's ``MixedPrecision`` run it: float32
+    master weights and optimizer state, 16-bit compute (``amp-bf16``/``amp-fp16``); a
+    bfloat16 checkpoint on a card without bfloat16 (compute capability below 8.0) computes in
+    float16. Anything else keeps ``configured`` (float32 unless the config says otherwise).
+
+    Example:
+        >>> from batchfit.device.catalog import find_gpu
+        >>> plan_precision(None, "bfloat16", Precision.FP32, find_gpu("H100 SXM"))
+        (<Precision.AMP_BF16: 'amp-bf16'>, 'checkpoint bfloat16')
+    """
+    if precision is not None:
+        return parse_enum(Precision, precision, "precision"), "given"
+    if checkpoint_dtype == "bfloat16":
+        cc = card.compute_capability
+        has_bf16 = cc is None or tuple(cc) >= _BF16_FROM_CC
+        return (Precision.AMP_BF16 if has_bf16 else Precision.AMP_FP16), "checkpoint bfloat16"
+    if checkpoint_dtype == "float16":
+        return Precision.AMP_FP16, "checkpoint float16"
+    return configured, "config"
 
 
 def _strategy_names(strategies: Sequence[str] | None, nodes: int) -> list[str]:
