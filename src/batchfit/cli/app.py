@@ -55,10 +55,10 @@ OptimOpt = typer.Option(
          "adam8bit, lion8bit, paged-adamw8bit, paged-adamw32bit, paged-lion8bit (default adamw; "
          "a compiled Keras model: its own)")
 PrecOpt = typer.Option(None, "--precision", help="fp32, tf32, amp-fp16, amp-bf16, bf16, fp16 "
-                       "(default fp32; amp-bf16 with --quant, as the QLoRA recipe computes)")
+                       "(default: the --recipe's; fp32, or amp-bf16 with --quant as peft's)")
 CkptOpt = typer.Option(None, "--checkpointing/--no-checkpointing",
-                       help="activation checkpointing (default off; on with --quant, as peft's "
-                       "prepare_model_for_kbit_training does)")
+                       help="activation checkpointing (default: the --recipe's; off, or on "
+                       "with --quant as peft's prepare_model_for_kbit_training does)")
 ClOpt = typer.Option(False, "--channels-last", help="channels-last memory format")
 StackOpt = typer.Option(None, "--stack",
                         help="torch and CUDA versions the step runs on, e.g. torch2.4+cu124 "
@@ -82,11 +82,13 @@ OverheadOpt = typer.Option(
          "overhead (--device cpu; max measures it with one real step unless given)")
 KwargsOpt = typer.Option(None, "--model-kwargs", help="key=value passed to the model builder")
 LoraOpt = typer.Option(None, "--lora", help="peft LoRA, e.g. r=16,alpha=32,targets=all-linear"
-                       "[,dropout=0.05,save=lm_head,dtype=fp32|base,dora=true]; lists join with +")
+                       "[,dropout=0.05,save=lm_head,dtype=fp32|bf16|base,dora=true]; lists: +")
 QuantOpt = typer.Option(None, "--quant", help="bitsandbytes base weights: nf4, nf4-dq, fp4, "
                         "fp4-dq (dq: double quantization) or int8 (LLM.int8)")
-LossOpt = typer.Option("standard", "--loss", help="standard (the model's own loss) or chunked "
-                       "(Liger's fused linear cross-entropy; GPU targets)")
+LossOpt = typer.Option(None, "--loss", help="standard (the model's own), chunked (Liger's; GPU "
+                       "targets), native (litgpt's) or chunked-output (torchtune's)")
+RecipeOpt = typer.Option(None, "--recipe", help="peft, litgpt, torchtune, unsloth or axolotl: "
+                         "that framework's defaults (torch.compile is not modelled)")
 AccumOpt = typer.Option(1, "--grad-accum", help="micro-batches per optimizer step "
                         "(the batch size is the micro-batch)")
 ReentrantOpt = typer.Option(False, "--use-reentrant",
@@ -177,13 +179,13 @@ class LlmArgs:
 
     lora: str | None = None
     quant: str | None = None
-    loss: str = "standard"
+    loss: str | None = None
     grad_accum: int = 1
     use_reentrant: bool = False
     packing: bool = False
     attn: str | None = None
     transformers_version: str | None = None
-
+    recipe: str | None = None
 
 
 
@@ -219,16 +221,12 @@ def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str,
     from batchfit.models.resolve import parse_model_kwargs, resolve_model
 
     llm = llm or LlmArgs()
-    if precision is None:  # QLoRA computes in bf16 (bnb_4bit_compute_dtype, bf16=True)
-        precision = "amp-bf16" if llm.quant is not None else "fp32"
-    if checkpointing is None:  # prepare_model_for_kbit_training(use_gradient_checkpointing=True)
-        checkpointing = llm.quant is not None
     if llm.grad_accum < 1:
         raise InvalidInputError(f"--grad-accum must be a positive integer, not {llm.grad_accum}")
     config = TrainConfig(
         mode=parse_enum(Mode, mode, "mode"),
-        optimizer=parse_optimizer(optimizer or "adamw"),
-        precision=parse_enum(Precision, precision, "precision"),
+        optimizer=parse_optimizer(optimizer) if optimizer else None, recipe=llm.recipe,
+        precision=parse_enum(Precision, precision, "precision") if precision else None,
         checkpointing=checkpointing, channels_last=channels_last,
         lora=llm.lora, quant=llm.quant, loss=llm.loss, grad_accum_steps=llm.grad_accum,
         use_reentrant=llm.use_reentrant, transformers_version=llm.transformers_version,
@@ -239,7 +237,7 @@ def _setup(model: str, input_shape: str | None, seq_len: int | None, mode: str,
         raise InvalidInputError(
             f"--quant {config.quant.method.value} freezes the quantized base weights, so "
             "nothing would train: add --lora (QLoRA), or use --mode infer")
-    if llm.use_reentrant and not checkpointing:
+    if llm.use_reentrant and not config.checkpointing:
         raise InvalidInputError("--use-reentrant applies to checkpointing: add --checkpointing")
     if seq_len is not None and seq_len < 1:
         raise InvalidInputError(f"--seq-len must be a positive integer, not {seq_len}")
@@ -305,10 +303,10 @@ def estimate_cmd(
     stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
     cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
     inference_mode: bool = InfModeOpt, alloc_conf: Optional[str] = AllocConfOpt,
-    lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
+    lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: Optional[str] = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
-    transformers_version: Optional[str] = HfVersionOpt,
+    transformers_version: Optional[str] = HfVersionOpt, recipe: Optional[str] = RecipeOpt,
     world_size: Optional[int] = WorldOpt, strategy: Optional[str] = StrategyOpt,
     offload: str = OffloadOpt, tp: int = TpOpt, nodes: int = NodesOpt,
     rank: Optional[int] = RankOpt, wrap: Optional[str] = WrapOpt,
@@ -347,12 +345,12 @@ def estimate_cmd(
             profile.for_stack(settings["stack"])
         with progress("estimate", f"tracing {model} at batch {batch_size}"):
             llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn,
-                          transformers_version)
+                          transformers_version, recipe)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                           checkpointing, channels_last, model_kwargs, llm,
                                           **settings)
             check_attn(llm.attn, config, profile)
-            notes, said = chosen(gpu, spec)
+            notes, said = chosen(gpu, spec, config)
             if parallel is None:
                 from batchfit.answers.estimate import estimate
 
@@ -400,10 +398,10 @@ def max_cmd(
     stack: Optional[str] = StackOpt, torch_version: Optional[str] = TorchVerOpt,
     cuda_version: Optional[str] = CudaVerOpt, cudnn_benchmark: bool = CudnnBenchOpt,
     inference_mode: bool = InfModeOpt, alloc_conf: Optional[str] = AllocConfOpt,
-    lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: str = LossOpt,
+    lora: Optional[str] = LoraOpt, quant: Optional[str] = QuantOpt, loss: Optional[str] = LossOpt,
     grad_accum: int = AccumOpt, use_reentrant: bool = ReentrantOpt,
     packing: bool = PackingOpt, attn: Optional[str] = AttnOpt,
-    transformers_version: Optional[str] = HfVersionOpt,
+    transformers_version: Optional[str] = HfVersionOpt, recipe: Optional[str] = RecipeOpt,
     world_size: Optional[int] = WorldOpt, strategy: Optional[str] = StrategyOpt,
     offload: str = OffloadOpt, tp: int = TpOpt, nodes: int = NodesOpt,
     rank: Optional[int] = RankOpt, wrap: Optional[str] = WrapOpt,
@@ -440,12 +438,12 @@ def max_cmd(
             raise InvalidInputError("--device cpu needs --memory SIZE as the budget")
         with progress("max", f"resolving {model}") as status:
             llm = LlmArgs(lora, quant, loss, grad_accum, use_reentrant, packing, attn,
-                          transformers_version)
+                          transformers_version, recipe)
             spec, inputs, config = _setup(model, input_shape, seq_len, mode, optimizer, precision,
                                           checkpointing, channels_last, model_kwargs, llm,
                                           **settings)
             check_attn(llm.attn, config, profile)
-            notes, said = chosen(gpu, spec)
+            notes, said = chosen(gpu, spec, config)
             if not profile.is_cuda and overhead is None:
                 status.update(f"measuring the CPU runtime's overhead: one real step of {model}")
                 profile = profile.with_overheads(

@@ -79,12 +79,19 @@ def check_attn(attn: str | None, config: Any, profile: Any) -> None:
             f"{config.precision.value}: use --attn sdpa")
 
 
-def chosen(gpu: str | None, spec: Any) -> tuple[dict[str, Any], list[str]]:
-    """What was chosen for the user (a catalog variant, a Hugging Face head): the JSON
-    fields to add, and the ``note:`` lines to print with the answer (not before an error:
-    a refused input stays one line)."""
+def chosen(gpu: str | None, spec: Any, config: Any = None) -> tuple[dict[str, Any], list[str]]:
+    """What was chosen for the user (a catalog variant, a Hugging Face head, a recipe's
+    defaults): the JSON fields to add, and the ``note:`` lines to print with the answer (not
+    before an error: a refused input stays one line)."""
     fields: dict[str, Any] = {}
     notes: list[str] = []
+    if config is not None and getattr(config, "recipe", None) is not None:
+        from batchfit.engine.workloads.recipes import RECIPES
+
+        defaults = RECIPES[config.recipe]
+        fields["recipe"] = defaults.to_dict()
+        if defaults.compile_note:
+            notes.append(f"note: --recipe {config.recipe.value}: {defaults.compile_note}")
     if gpu and gpu.strip().lower() != "auto":
         from batchfit.device.catalog import choose_gpu
 
