@@ -27,7 +27,8 @@ runner = CliRunner()
     (["--lora", "r=8", "--quant", "fp4", "--recipe", "torchtune"],
      "--recipe torchtune quantizes with torchao's NF4 only, not fp4"),
     (["--lora", "r=8,dtype=half"], "LoRA dtype='half': use fp32"),
-    (["--lora", "r=8", "--loss", "chunky"], "loss"),
+    (["--lora", "r=8", "--loss", "chunky"],
+     "unknown loss 'chunky': choose one of standard, chunked, native, chunked-output"),
 ])
 def test_bad_recipe_input_gets_one_line(extra, fragment):
     result = runner.invoke(app, ["estimate", *TINY, "-b", "2", *extra])
