@@ -43,7 +43,7 @@ def run(row: dict[str, str]) -> dict:
     words = command(row)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run([sys.executable, "-m", "batchfit.cli", *words], capture_output=True,
-                          text=True, env=env, cwd=ROOT)
+                          text=True, env=env, cwd=ROOT, check=False)
     result = {"id": row["id"], "command": "batchfit " + " ".join(
         f'"{w}"' if " " in w else w for w in words), "exit_code": done.returncode}
     try:
@@ -81,8 +81,8 @@ def main() -> None:
     out = HERE / "results" / f"recipes_published_{args.set}"
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = [f"# recipes_published ({args.set})", "",
-             f"{summary['within_10']} of {summary['figures']} figures within 10%; "
-             f"{summary['outcomes_agree']} of {summary['outcomes']} fit/OOM outcomes agree.",
+             (f"{summary['within_10']} of {summary['figures']} figures within 10%; "
+              f"{summary['outcomes_agree']} of {summary['outcomes']} fit/OOM outcomes agree."),
              "", "| id | published GB | batchfit GB (max of first, steady) | error | fits |",
              "|---|---|---|---|---|"]
     for r in results:

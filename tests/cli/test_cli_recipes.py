@@ -12,9 +12,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
-from batchfit.cli import app  # noqa: E402
+from tests.cli.test_cli_llm import TINY
 
-from tests.cli.test_cli_llm import TINY  # noqa: E402
+from batchfit.cli import app
 
 runner = CliRunner()
 

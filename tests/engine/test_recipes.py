@@ -13,13 +13,12 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
-from batchfit.engine.spec import Precision, TrainConfig  # noqa: E402
-from batchfit.engine.trace import trace_step  # noqa: E402
-from batchfit.engine.tracer import Category, EventKind, Phase  # noqa: E402
-from batchfit.errors import InvalidInputError  # noqa: E402
+from tests.engine.test_workloads import LAYERS, LINEARS, SPEC, H, V, _cpu, _forward_peak, tiny_llama
 
-from tests.engine.test_workloads import (  # noqa: E402
-    H, LAYERS, LINEARS, SPEC, V, _cpu, _forward_peak, tiny_llama)
+from batchfit.engine.spec import Precision, TrainConfig
+from batchfit.engine.trace import trace_step
+from batchfit.engine.tracer import Category, EventKind, Phase
+from batchfit.errors import InvalidInputError
 
 
 def _parameter_bytes(trace):
