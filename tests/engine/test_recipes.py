@@ -139,3 +139,18 @@ def test_framework_losses_by_hand():
     for loss, expected in (("native", litgpt), ("chunked-output", tune)):
         saved = peaks["standard"] - peaks[loss]
         assert saved == pytest.approx(standard - expected, rel=0.02), loss
+
+
+def test_estimate_takes_the_recipe_keyword():
+    # the public entry point passes recipe= through to TrainConfig: litgpt's bf16 weights
+    # and adapters, as worked out in test_litgpt_qlora_keeps_bf16_weights_and_adapters
+    from batchfit.answers.estimate import estimate
+
+    weights = [o * i for o, i in LINEARS] * LAYERS
+    quantized = sum(n // 2 + 4 * math.ceil(n / 64) + 64 for n in weights)
+    full_precision = V * H * 2 + H * (2 * LAYERS + 1)
+    adapters = LAYERS * sum(8 * (o + i) for o, i in LINEARS)
+    result = estimate(tiny_llama, SPEC, 2, device=_cpu(), lora="r=8,targets=all-linear",
+                      quant="nf4", recipe="litgpt")
+    parameters = result.to_dict()["by_category"]["parameters"]
+    assert parameters == quantized + 2 * full_precision + 2 * adapters
