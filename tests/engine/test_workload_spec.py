@@ -12,7 +12,10 @@ from batchfit.engine.workloads.spec import (ALL_LINEAR, AdapterDtype, LoraSpec, 
 def test_parse_lora_full():
     spec = parse_lora("r=16,alpha=32,targets=all-linear,dropout=0.05")
     assert (spec.r, spec.alpha, spec.dropout, spec.targets) == (16, 32.0, 0.05, ALL_LINEAR)
-    assert spec.dtype is AdapterDtype.FP32 and spec.bias == "none"
+    assert spec.dtype is None and spec.bias == "none"  # unset: the recipe's (peft's fp32)
+    from batchfit.engine.spec import TrainConfig
+
+    assert TrainConfig(lora=spec).lora.dtype is AdapterDtype.FP32
 
 
 def test_parse_lora_lists_and_defaults():

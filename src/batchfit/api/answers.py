@@ -30,7 +30,7 @@ from batchfit.errors import InvalidInputError, option
 #: The keywords of each group, as the CLI's flags name them (``--seq-len`` -> ``seq_len``).
 STEP_WORDS = ("input_shape", "seq_len", "mode", "optimizer", "precision", "checkpointing",
               "channels_last", "model_kwargs", "lora", "quant", "loss", "grad_accum",
-              "use_reentrant", "packing", "attn", "transformers_version")
+              "use_reentrant", "packing", "attn", "transformers_version", "recipe")
 STACK_WORDS = ("stack", "torch_version", "cuda_version", "cudnn_benchmark", "inference_mode",
                "alloc_conf")
 TARGET_WORDS = ("gpu", "device", "memory", "overhead")
@@ -111,7 +111,7 @@ def _prepare(model: str, words: dict[str, Any], need_budget: bool) -> _Prepared:
                                 "as the budget")
     step = resolve_step(model, **step_words, **settings)
     check_attn(step_words.get("attn"), step.config, profile)
-    choices, notes = chosen(target.get("gpu"), step.spec)
+    choices, notes = chosen(target.get("gpu"), step.spec, step.config)
     return _Prepared(step, profile, memory_bytes, parallel, nccl, choices, tuple(notes))
 
 
@@ -239,7 +239,7 @@ def predict_throughput_words(model: str, *, gpu: str, memory: str | None = None,
     card = predicted_card(gpu, parse_size(memory) if memory is not None else None,
                           settings.get("stack"))
     step = resolve_step(model, **step_words, **settings)
-    choices, notes = chosen(gpu, step.spec)
+    choices, notes = chosen(gpu, step.spec, step.config)
     result = predict_throughput(step.spec.factory, step.inputs, step.config, gpu=card,
                                 batches=batches, dataset_size=dataset_size)
     return Answer(model, result, choices, tuple(notes))

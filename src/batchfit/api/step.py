@@ -85,21 +85,21 @@ def _model_kwargs(model_kwargs: Sequence[str] | Mapping[str, Any] | None) -> dic
 
 def _config(mode: str, optimizer: str | None, precision: str | None,
             checkpointing: bool | None, channels_last: bool, lora: str | None,
-            quant: str | None, loss: str, grad_accum: int, use_reentrant: bool, packing: bool,
-            attn: str | None, transformers_version: str | None, settings: dict[str, Any]) -> Any:
+            quant: str | None, loss: str | None, grad_accum: int, use_reentrant: bool,
+            packing: bool, attn: str | None, transformers_version: str | None,
+            recipe: str | None, settings: dict[str, Any]) -> Any:
+    """The step's config. What the options leave None (precision, checkpointing, optimizer,
+    loss) the recipe decides in :class:`TrainConfig` (peft's QLoRA defaults with ``quant``
+    and no recipe: :mod:`batchfit.engine.workloads.recipes`)."""
     from batchfit.engine.spec import TrainConfig, parse_optimizer
 
-    if precision is None:  # QLoRA computes in bf16 (bnb_4bit_compute_dtype, bf16=True)
-        precision = "amp-bf16" if quant is not None else "fp32"
-    if checkpointing is None:  # prepare_model_for_kbit_training(use_gradient_checkpointing=True)
-        checkpointing = quant is not None
     if grad_accum < 1:
         raise InvalidInputError(f"{option('grad_accum')} must be a positive integer, "
                                 f"not {grad_accum}")
     config = TrainConfig(
         mode=parse_enum(Mode, mode, "mode"),
-        optimizer=parse_optimizer(optimizer or "adamw"),
-        precision=parse_enum(Precision, precision, "precision"),
+        optimizer=parse_optimizer(optimizer) if optimizer else None, recipe=recipe,
+        precision=parse_enum(Precision, precision, "precision") if precision else None,
         checkpointing=checkpointing, channels_last=channels_last,
         lora=lora, quant=quant, loss=loss, grad_accum_steps=grad_accum,
         use_reentrant=use_reentrant, transformers_version=transformers_version,
@@ -111,7 +111,7 @@ def _config(mode: str, optimizer: str | None, precision: str | None,
             f"{option('quant', config.quant.method.value)} freezes the quantized base weights, "
             f"so nothing would train: add {option('lora')} (QLoRA), or use "
             f"{option('mode', 'infer')}")
-    if use_reentrant and not checkpointing:
+    if use_reentrant and not config.checkpointing:
         raise InvalidInputError(f"{option('use_reentrant', True)} applies to checkpointing: "
                                 f"add {option('checkpointing', True)}")
     return config
@@ -136,20 +136,21 @@ def resolve_step(model: str, *, input_shape: str | None = None, seq_len: int | N
                  precision: str | None = None, checkpointing: bool | None = None,
                  channels_last: bool = False,
                  model_kwargs: Sequence[str] | Mapping[str, Any] | None = None,
-                 lora: str | None = None, quant: str | None = None, loss: str = "standard",
+                 lora: str | None = None, quant: str | None = None, loss: str | None = None,
                  grad_accum: int = 1, use_reentrant: bool = False, packing: bool = False,
                  attn: str | None = None, transformers_version: str | None = None,
+                 recipe: str | None = None,
                  **settings: Any) -> Step:
     """The step named by ``model`` (``timm:NAME``, ``hf:NAME``, ``path/file.py:factory``...)
     and the options, with every default decided: the optimizer (adamw, or a compiled Keras
-    model's own), the precision and checkpointing (amp-bf16 and on with ``quant``, as the
-    QLoRA recipe runs), the attention implementation. ``settings`` are
+    model's own), the precision and checkpointing (the ``recipe``'s; with ``quant`` and no
+    recipe, amp-bf16 and on, as peft's QLoRA runs), the attention implementation. ``settings`` are
     :func:`stack_settings`'s fields."""
     from batchfit.models.resolve import resolve_model
 
     config = _config(mode, optimizer, precision, checkpointing, channels_last, lora, quant,
                      loss, grad_accum, use_reentrant, packing, attn, transformers_version,
-                     settings)
+                     recipe, settings)
     if seq_len is not None and seq_len < 1:
         raise InvalidInputError(f"{option('seq_len')} must be a positive integer, not {seq_len}")
     shape = parse_shape(input_shape) if input_shape is not None else None

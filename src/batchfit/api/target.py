@@ -55,11 +55,19 @@ def resolve_target(gpu: str | None, device: str | None, memory: str | None,
     return profile, memory_bytes
 
 
-def chosen(gpu: str | None, spec: Any) -> tuple[dict[str, Any], list[str]]:
-    """What was chosen for the user (a catalog variant, a Hugging Face head): the fields to
-    add to the answer (``gpu_choice``, ``hf_task``), and one note line for each choice."""
+def chosen(gpu: str | None, spec: Any, config: Any = None) -> tuple[dict[str, Any], list[str]]:
+    """What was chosen for the user (a catalog variant, a Hugging Face head, a recipe's
+    defaults): the fields to add to the answer (``gpu_choice``, ``hf_task``, ``recipe``), and
+    one note line for each choice."""
     fields: dict[str, Any] = {}
     notes: list[str] = []
+    if config is not None and getattr(config, "recipe", None) is not None:
+        from batchfit.engine.workloads.recipes import RECIPES
+
+        defaults = RECIPES[config.recipe]
+        fields["recipe"] = defaults.to_dict()
+        if defaults.compile_note:
+            notes.append(f"note: {option('recipe', config.recipe.value)}: {defaults.compile_note}")
     if gpu and gpu.strip().lower() != "auto":
         from batchfit.device.catalog import choose_gpu
 

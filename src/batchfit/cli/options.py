@@ -42,8 +42,9 @@ OPTIONS: dict[str, tuple[Any, Any]] = {
     "mode": (str, _opt("train", "--mode", "train (default) or infer", STEP)),
     "optimizer": (Optional[str], _opt(None, "--optimizer", "adamw (default), sgd, adam, lion, "
                                       "adafactor, adamw8bit... (python-api guide)", STEP)),
-    "precision": (Optional[str], _opt(None, "--precision", "fp32 (default), tf32, amp-fp16, "
-                                      "amp-bf16, bf16, fp16", STEP)),
+    "precision": (Optional[str], _opt(None, "--precision", "fp32 (default; a --recipe's, "
+                                      "or amp-bf16 with --quant), tf32, amp-fp16, amp-bf16, "
+                                      "bf16, fp16", STEP)),
     "checkpointing": (Optional[bool], _opt(None, "--checkpointing/--no-checkpointing",
                                            "activation checkpointing", STEP)),
     "channels_last": (bool, _opt(False, "--channels-last", "channels-last memory format",
@@ -67,10 +68,14 @@ OPTIONS: dict[str, tuple[Any, Any]] = {
     "alloc_conf": (Optional[str], _opt(None, "--alloc-conf", "PYTORCH_CUDA_ALLOC_CONF of "
                                        "the run", TARGET, metavar="OPTIONS")),
     # LLM fine-tuning
-    "lora": (Optional[str], _opt(None, "--lora", "peft LoRA, e.g. r=16,alpha=32", LLM)),
+    "lora": (Optional[str], _opt(None, "--lora", "peft LoRA, e.g. r=16,alpha=32,dtype=bf16",
+                                 LLM)),
+    "recipe": (Optional[str], _opt(None, "--recipe", "peft, litgpt, torchtune, unsloth, "
+                                   "axolotl: its defaults", LLM)),
     "quant": (Optional[str], _opt(None, "--quant", "bitsandbytes base: nf4, nf4-dq, fp4, "
                                   "fp4-dq, int8", LLM)),
-    "loss": (str, _opt("standard", "--loss", "standard or chunked (Liger)", LLM)),
+    "loss": (Optional[str], _opt(None, "--loss", "standard, chunked (Liger), native "
+                                 "(litgpt), chunked-output (torchtune)", LLM)),
     "grad_accum": (int, _opt(1, "--grad-accum", "micro-batches per optimizer step", LLM)),
     "use_reentrant": (bool, _opt(False, "--use-reentrant", "checkpointing with "
                                  "use_reentrant=True", LLM)),
@@ -105,7 +110,7 @@ OPTIONS: dict[str, tuple[Any, Any]] = {
 STEP_OPTIONS = ("model_kwargs", "input_shape", "seq_len", "mode", "optimizer", "precision",
                 "checkpointing", "channels_last", "inference_mode")
 STACK_OPTIONS = ("stack", "torch_version", "cuda_version", "cudnn_benchmark", "alloc_conf")
-LLM_OPTIONS = ("lora", "quant", "loss", "grad_accum", "use_reentrant", "packing", "attn",
+LLM_OPTIONS = ("lora", "recipe", "quant", "loss", "grad_accum", "use_reentrant", "packing", "attn",
                "transformers_version")
 MULTI_OPTIONS = ("world_size", "strategy", "offload", "tp", "nodes", "rank", "wrap",
                  "nccl_memory")

@@ -103,6 +103,10 @@ def workload_model(model: Any, config: TrainConfig, reuse: TraceReuse | None) ->
         from batchfit.engine.workloads.runtime import apply_chunked_loss
 
         apply_chunked_loss(transformed)
+    if config.loss in (LossKind.NATIVE, LossKind.CHUNKED_OUTPUT):
+        from batchfit.engine.workloads.losses import apply_framework_loss
+
+        apply_framework_loss(transformed, config.loss)
     if config.transformers_version is not None:
         from batchfit.engine.workloads.hfloss import apply_transformers_loss
 

@@ -245,11 +245,13 @@ class TrainConfig:
             ``torch.no_grad()`` (what Lightning's validate/test/predict and many serving
             loops do). From torch 2.11 autocast then keeps no weight copies
             (:attr:`~batchfit.engine.stack.Stack.autocast_caches_in_inference_mode`).
-        optimizer: an :class:`OptimizerName`, its string, or a ``torch.optim.Optimizer`` class.
+        optimizer: an :class:`OptimizerName`, its string, or a ``torch.optim.Optimizer`` class;
+            None: the recipe's, else AdamW.
         optimizer_kwargs: extra keyword arguments for the optimizer (``lr``, ``fused=True``...).
-        precision: a :class:`Precision` or its string.
+        precision: a :class:`Precision` or its string; None: the recipe's, else fp32.
         checkpointing: turn on activation checkpointing where the model supports it
-            (timm ``set_grad_checkpointing``, HF ``gradient_checkpointing_enable``).
+            (timm ``set_grad_checkpointing``, HF ``gradient_checkpointing_enable``); None:
+            the recipe's, else off.
         channels_last: use ``torch.channels_last`` for 4-D inputs and the model.
         loss_fn: ``loss_fn(output, batch) -> scalar``; default rules in :mod:`batchfit.engine.step`.
         grads_to_none: ``zero_grad(set_to_none=True)``. False models loops that zero
@@ -275,8 +277,9 @@ class TrainConfig:
             peft LoRA adapters on the model; only they (and ``modules_to_save``) train.
         quant: a :class:`~batchfit.engine.workloads.spec.QuantSpec` (or ``"nf4"``...):
             bitsandbytes base weights, as transformers loads them.
-        loss: ``standard`` (the model's own loss) or ``chunked`` (Liger's fused linear
-            cross-entropy, CUDA targets).
+        loss: ``standard`` (the model's own loss), ``chunked`` (Liger's fused linear
+            cross-entropy, CUDA targets), ``native`` (litgpt's, no float32 upcast) or
+            ``chunked-output`` (torchtune's); None: the recipe's, else ``standard``.
         grad_accum_steps: micro-batches per optimizer step; the batch size is the
             micro-batch. From the second micro-batch on, the gradients of the earlier ones
             are live through forward and backward.
@@ -288,13 +291,18 @@ class TrainConfig:
         transformers_version: ``"4.46"``...: the causal-LM loss as that transformers computes
             it (:mod:`batchfit.engine.workloads.hfloss`: before 4.49 it copies the float32
             logits); None: the installed transformers'.
+        recipe: a fine-tuning framework whose defaults fill the fields left None (kbit
+            preparation, adapter dtype, precision, checkpointing, loss, optimizer):
+            ``peft``, ``litgpt``, ``torchtune``, ``unsloth`` or ``axolotl``
+            (:mod:`batchfit.engine.workloads.recipes`). None: peft's with ``quant``
+            (QLoRA as transformers and peft run it), plain defaults otherwise.
     """
 
     mode: Mode | str = Mode.TRAIN
-    optimizer: OptimizerName | str | type = OptimizerName.ADAMW
+    optimizer: OptimizerName | str | type | None = None
     optimizer_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    precision: Precision | str = Precision.FP32
-    checkpointing: bool = False
+    precision: Precision | str | None = None
+    checkpointing: bool | None = None
     channels_last: bool = False
     loss_fn: Any = None
     grads_to_none: bool | None = None
@@ -303,13 +311,14 @@ class TrainConfig:
     cudnn_benchmark: bool = False
     lora: Any = None
     quant: Any = None
-    loss: Any = "standard"
+    loss: Any = None
     grad_accum_steps: int = 1
     use_reentrant: bool = False
     packing: bool = False
     transformers_version: Any = None
     inference_mode: bool = False
     alloc_conf: Any = None
+    recipe: Any = None
 
     def __post_init__(self) -> None:
         from batchfit.engine.workloads.spec import LoraSpec, LossKind, QuantSpec, parse_lora
@@ -319,6 +328,7 @@ class TrainConfig:
 
             object.__setattr__(self, "stack", Stack.parse(stack=self.stack))
         object.__setattr__(self, "mode", parse_enum(Mode, self.mode, "mode"))
+        self._apply_recipe()
         object.__setattr__(self, "precision", parse_enum(Precision, self.precision, "precision"))
         if not isinstance(self.optimizer, type):
             object.__setattr__(self, "optimizer", parse_optimizer(self.optimizer))
@@ -337,10 +347,10 @@ class TrainConfig:
 
             object.__setattr__(self, "transformers_version",
                                parse_version(self.transformers_version))
-            if self.loss is LossKind.CHUNKED:
+            if self.loss is not LossKind.STANDARD:
                 raise InvalidInputError(
                     f"{option('transformers_version')} models transformers' own loss; "
-                    f"{option('loss', 'chunked')} replaces it: give one of them")
+                    f"{option('loss', self.loss.value)} replaces it: give one of them")
         if self.inference_mode and self.mode is Mode.TRAIN:
             raise InvalidInputError(f"{option('inference_mode', True)} goes with "
                                     f"{option('mode', 'infer')}: a training step cannot run "
@@ -349,6 +359,47 @@ class TrainConfig:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InvalidInputError(
                 f"gradient accumulation steps must be a positive integer, not {steps!r}")
+
+    def _apply_recipe(self) -> None:
+        """Fill the fields left None from the recipe (an explicit value always wins), then
+        refuse a recipe the framework could not run with the values given."""
+        from batchfit.engine.workloads.recipes import (FUSED_OPTIMIZER, check_recipe,
+                                                       parse_recipe, recipe_defaults)
+        from batchfit.engine.workloads.spec import LoraSpec, QuantSpec, parse_lora
+
+        recipe = parse_recipe(self.recipe)
+        object.__setattr__(self, "recipe", recipe)
+        if isinstance(self.lora, str):
+            object.__setattr__(self, "lora", parse_lora(self.lora))
+        if isinstance(self.quant, str):
+            object.__setattr__(self, "quant", QuantSpec(method=self.quant))
+        quant = self.quant if isinstance(self.quant, QuantSpec) else None
+        found = recipe_defaults(recipe, quantized=quant is not None)
+        fill = {
+            "precision": "fp32" if found is None else
+            (found.precision_quant if quant is not None else found.precision),
+            "checkpointing": False if found is None else
+            (found.checkpointing_quant if quant is not None else found.checkpointing),
+            "loss": "standard" if found is None else found.loss,
+            "optimizer": "adamw" if found is None else
+            (found.optimizer_quant if quant is not None else found.optimizer),
+        }
+        for name, value in fill.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if (recipe in FUSED_OPTIMIZER and self.optimizer == "adamw"
+                and "fused" not in self.optimizer_kwargs):
+            object.__setattr__(self, "optimizer_kwargs", {**self.optimizer_kwargs, "fused": True})
+        if quant is not None and quant.prepare is None:
+            object.__setattr__(self, "quant", replace(
+                quant, prepare=True if found is None else found.kbit_prepare))
+        if isinstance(self.lora, LoraSpec) and self.lora.dtype is None:
+            object.__setattr__(self, "lora", replace(
+                self.lora, dtype="fp32" if found is None else found.adapter_dtype))
+        if recipe is not None:
+            check_recipe(recipe, lora=self.lora, quant=self.quant,
+                         precision=parse_enum(Precision, self.precision, "precision"),
+                         training=self.mode is Mode.TRAIN)
 
     @property
     def workload(self) -> Any:

@@ -258,8 +258,12 @@ def add_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
     on_meta = any(p.is_meta for p in model.parameters())
     try:
         with torch.device("meta") if on_meta else contextlib.nullcontext():
-            return get_peft_model(model, config,
-                                  autocast_adapter_dtype=lora.dtype is AdapterDtype.FP32)
+            adapted = get_peft_model(model, config,
+                                     autocast_adapter_dtype=lora.dtype is not AdapterDtype.BASE)
+            if lora.dtype is not AdapterDtype.FP32:
+                _cast_adapters(adapted, torch.bfloat16 if lora.dtype is AdapterDtype.BF16
+                               else None)
+            return adapted
     except ValueError as exc:
         first = (str(exc).strip().splitlines() or ["ValueError"])[0]
         if "target_modules" in first or "not found" in first or "target modules" in first:
@@ -268,6 +272,25 @@ def add_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
                 f"LoRA targets matched no module ({first}): candidates are "
                 f"{', '.join(leaves)}") from exc
         raise ModelSpecError(f"peft could not add LoRA: {first}") from exc
+
+
+def _cast_adapters(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Hold each LoRA layer's adapters in ``dtype``, or (None) in its base layer's dtype: the
+    weight's when it is a float, else the 4-bit layer's compute dtype. Frameworks that build
+    adapters under a bf16 default dtype (litgpt, torchtune) hold them in bf16; peft has no
+    such switch (``autocast_adapter_dtype=False`` leaves adapters built on meta, and those of
+    a uint8 4-bit layer, in fp32)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        weight = module.get_base_layer().weight
+        wanted = dtype or (weight.dtype if weight.is_floating_point() else getattr(
+            module.get_base_layer(), "compute_dtype", None) or torch.float32)
+        for name, param in module.named_parameters():
+            if name.startswith("lora_") and param.dtype != wanted:
+                param.data = param.data.to(wanted)
 
 
 def _task_type(model: nn.Module) -> str | None:

@@ -24,6 +24,7 @@ class AdapterDtype(StrEnum):
 
     FP32 = "fp32"
     BASE = "base"
+    BF16 = "bf16"  # bf16 adapters whatever the base (litgpt, torchtune: bf16 throughout)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class LoraSpec:
         targets: ``"all-linear"`` or module names (``("q_proj", "v_proj")``); None is peft's
             default for the model type.
         modules_to_save: modules trained in full next to the adapters (peft copies them).
-        dtype: adapter dtype (:class:`AdapterDtype`).
+        dtype: adapter dtype (:class:`AdapterDtype`); None: the recipe's (fp32 without one).
         bias: ``"none"``, ``"all"`` or ``"lora_only"`` (which biases train).
         dora: weight-decomposed LoRA (``use_dora``): a magnitude vector per layer and the
             base weight's norm in forward.
@@ -49,7 +50,7 @@ class LoraSpec:
     dropout: float = 0.0
     targets: str | tuple[str, ...] | None = None
     modules_to_save: tuple[str, ...] = ()
-    dtype: AdapterDtype | str = AdapterDtype.FP32
+    dtype: AdapterDtype | str | None = None
     bias: str = "none"
     dora: bool = False
 
@@ -73,17 +74,20 @@ class LoraSpec:
         object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save))
         object.__setattr__(self, "alpha", float(self.alpha))
         object.__setattr__(self, "dropout", float(self.dropout))
-        try:
-            object.__setattr__(self, "dtype", AdapterDtype(str(self.dtype).lower()))
-        except ValueError:
-            raise InvalidInputError(
-                f"LoRA dtype={self.dtype!r}: use fp32 (peft's default) or base") from None
+        if self.dtype is not None:
+            try:
+                object.__setattr__(self, "dtype", AdapterDtype(str(self.dtype).lower()))
+            except ValueError:
+                raise InvalidInputError(
+                    f"LoRA dtype={self.dtype!r}: use fp32 (peft's default), bf16 or base "
+                    "(the base layer's dtype)") from None
 
     def to_dict(self) -> dict[str, Any]:
         targets = self.targets if isinstance(self.targets, str) or self.targets is None \
             else list(self.targets)
         return {"r": self.r, "alpha": self.alpha, "dropout": self.dropout, "targets": targets,
-                "modules_to_save": list(self.modules_to_save), "dtype": self.dtype.value,
+                "modules_to_save": list(self.modules_to_save),
+                "dtype": self.dtype.value if self.dtype is not None else None,
                 "bias": self.bias, "dora": self.dora}
 
 
@@ -120,14 +124,15 @@ class QuantSpec:
             bf16/amp-bf16, fp16 for fp16/amp-fp16, fp32 otherwise, which is also
             bitsandbytes' own default).
         prepare: run peft's ``prepare_model_for_kbit_training`` (freeze, fp32 upcast of the
-            remaining fp16/bf16 parameters, input-gradient hooks, checkpointing if asked).
+            remaining fp16/bf16 parameters, input-gradient hooks, checkpointing if asked);
+            None: the recipe's (:mod:`batchfit.engine.workloads.recipes`; peft's True).
         skip_modules: ``llm_int8_skip_modules``; None keeps transformers' default (the
             output embedding, e.g. ``lm_head``).
     """
 
     method: QuantMethod | str = QuantMethod.NF4
     compute_dtype: str | None = None
-    prepare: bool = True
+    prepare: bool | None = None
     skip_modules: tuple[str, ...] | None = None
     blocksize: int = 64
 
@@ -157,11 +162,17 @@ class LossKind(StrEnum):
 
     ``standard`` is the model's own loss as the installed transformers computes it (logits
     for every position, upcast to float32, cross-entropy); ``chunked`` is Liger-Kernel's
-    fused linear cross-entropy, which never materialises the full logits.
+    fused linear cross-entropy, which never materialises the full logits; ``native`` is the
+    cross-entropy on the logits in their own dtype, with no float32 upcast (litgpt's
+    ``chunked_cross_entropy``); ``chunked-output`` is torchtune's ``CEWithChunkedOutputLoss``
+    (each of 8 chunks upcast to float32 on its own). See
+    :mod:`batchfit.engine.workloads.losses`.
     """
 
     STANDARD = "standard"
     CHUNKED = "chunked"
+    NATIVE = "native"
+    CHUNKED_OUTPUT = "chunked-output"
 
 
 _LORA_KEYS = {
