@@ -3,6 +3,7 @@ item 8): one line, exit 2, before any work."""
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -81,5 +82,8 @@ def test_a_wrong_input_is_one_line_without_torch_logs(model_file):
         env={**os.environ, "PYTHONPATH": str(src)}, capture_output=True, text=True,
         timeout=300)
     assert done.returncode == 2, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    # a progress line (cli/progress.py) may precede the error on a loaded machine: the
+    # point here is that no torch log or traceback does
+    lines = [line for line in done.stderr.splitlines()
+             if line.strip() and not re.match(r"batchfit estimate \[ *[0-9.]+ s\]: ", line)]
     assert len(lines) == 1 and lines[0].startswith("error: the model's forward raised"), lines
