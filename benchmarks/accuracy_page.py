@@ -91,25 +91,30 @@ def section(result: Path) -> str:
 
 
 def latest_gpu_brackets() -> list[Path]:
-    """Per script, the most recently committed table of the real-GPU brackets.
+    """The current tables of the real-GPU brackets under `benchmarks/results/gpu_brackets/`.
 
-    `gpu_brackets*.py` write one table per run under `benchmarks/results/gpu_brackets/`
-    (`--tag`, training rows `..._T<n>`, inference `..._I<n>`); the latest of each script
-    and mode is its current result.
+    `gpu_brackets.py` writes one table per run and set, tagged `s<N>_<set>` (`--tag`): the
+    current result is every table of the highest N. The other scripts there
+    (`gpu_brackets_cards.py`, `_dispatch.py`, `_whatif.py`) count by their latest table.
     """
     tables = sorted((RESULTS / "gpu_brackets").glob("*.md"))
+    runs = [(int(m.group(1)), t) for t in tables if (m := re.match(r"s(\d+)_", t.stem))]
+    latest_run = max((n for n, _ in runs), default=None)
+    chosen = [t for n, t in runs if n == latest_run]
     stamp = {}
     for table in tables:
         out = subprocess.run(["git", "log", "-1", "--format=%ct", "--", str(table)], cwd=ROOT,
                              capture_output=True, text=True, check=False).stdout.strip()
         stamp[table] = int(out) if out else int(table.stat().st_mtime)
-    latest: dict[tuple, Path] = {}
+    latest: dict[str | None, Path] = {}
     for table in tables:
-        mode = re.search(r"_([IT])\d*$", table.stem)  # a run's inference or training rows
-        script = (script_for(table), mode.group(1) if mode else None)
-        if script not in latest or stamp[table] > stamp[latest[script]]:
+        script = script_for(table)
+        if script == "benchmarks/gpu_brackets.py":
+            continue
+        if script not in latest or (stamp[table], table.name) > (stamp[latest[script]],
+                                                                  latest[script].name):
             latest[script] = table
-    return sorted(latest.values())
+    return sorted(chosen) + sorted(latest.values())
 
 
 def page() -> str:
