@@ -24,6 +24,8 @@ from batchfit.realrun.trial_server import (
     run_trial_subprocess,
 )
 
+pytestmark = pytest.mark.slow  # real steps in fresh interpreters
+
 MIB = 1 << 20
 CONFIG = TrainConfig(optimizer="sgd")
 

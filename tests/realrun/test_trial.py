@@ -20,6 +20,8 @@ from batchfit.realrun.state import preserved_state
 from batchfit.realrun.trial import is_out_of_memory, run_trial
 from batchfit.realrun.trial_server import TrialServer, run_trial_subprocess
 
+pytestmark = pytest.mark.slow  # real trials, some in capped fresh processes
+
 MIB = 1 << 20
 PINNED = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
 
