@@ -141,7 +141,7 @@ def test_real_cpu_allocator_error_is_out_of_memory():
 def _allocator_net_bytes(prof) -> int:
     """Net bytes the CPU allocator handed out while profiling: the sum of its own
     allocation (+) and free (-) reports, read from the raw kineto events (prof.events()
-    drops most "[memory]" events; DESIGN.md §4)."""
+    drops most "[memory]" events)."""
     from torch.autograd import DeviceType
 
     total = 0
