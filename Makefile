@@ -1,13 +1,15 @@
 # Two commands for a new machine (see README):
 #   make demo   set everything up, then predict the largest batch of ResNet-50 on an RTX 3090
-#   make test   set everything up, then run the test suite
+#   make test   set everything up, then run the test suite (all of it: what CI runs)
+#   make test-fast   the edit-test loop: the tests not marked slow
+#   make docs   build the docs site, failing on a broken link or reference
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is pinned first so pip never resolves a plain `torch` (a multi-GB download);
 # the package itself only asks for torch>=2.4.
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test test-fast docs bench
 
 setup: $(VENV)/.installed
 
@@ -28,6 +30,14 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# slow: real processes (the real-device search, gloo ranks, fresh interpreters, browsers,
+# long sweeps, the docs build); see the marker in pyproject.toml
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: setup
 	$(PY) benchmarks/accuracy_cpu.py

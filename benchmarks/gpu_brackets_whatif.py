@@ -7,7 +7,7 @@ remaining arguments. Give the run its own ``--tag`` so that the engine's results
 not overwritten, and ``--trace-cache`` so that only the replays run again:
 
     cd benchmarks && python gpu_brackets_whatif.py --what-if no-workspace --steps 3 \\
-        --set I --files memory --rows-from results/gpu_brackets/s10_I120.jsonl \\
+        --set I --files memory --rows-from results/gpu_brackets/s14_I120.jsonl \\
         --tag whatif_nows3_I120 --trace-cache /some/dir
 
 What-ifs:

@@ -4,6 +4,9 @@ import ``capped_models`` by that name."""
 
 import os
 import tempfile
+from pathlib import Path
+
+import pytest
 
 # Keras 3 picks its backend when first imported: the Keras tests (tests/engine/test_keras.py,
 # tests/integrations/test_keras_finder.py) run it on torch, the backend batchfit traces.
@@ -17,3 +20,21 @@ for _name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
 # huggingface_hub is imported, which reads both once.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="batchfit-test-hf-cache-")
+
+
+# Tests listed in tests/slow_tests.txt are marked ``slow`` as well as those marked in their
+# modules: what a real process or a long sweep makes slow is marked where the test is; the
+# list holds the tests whose measured duration puts them out of `make test-fast`'s budget.
+_SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
+
+
+def _listed_slow() -> set[str]:
+    lines = (line.split("#", 1)[0].strip() for line in _SLOW_LIST.read_text().splitlines())
+    return {line for line in lines if line}
+
+
+def pytest_collection_modifyitems(config, items):
+    listed = _listed_slow()
+    for item in items:
+        if item.nodeid in listed or item.nodeid.split("[", 1)[0] in listed:
+            item.add_marker(pytest.mark.slow)

@@ -1,6 +1,6 @@
 """The packages import one way: a layer imports only from lower layers (and itself).
 
-The layers, lowest first, are the stages of the data flow (README, "Architecture"). The
+The layers, lowest first, are the stages of the data flow (docs/architecture.md). The
 check reads every module's import statements, including imports inside functions (the
 lazy ones), so a higher layer cannot be reached by deferring the import.
 """

@@ -57,6 +57,7 @@ def test_the_filter_drops_the_notice_and_only_it(nvcc_env):
     assert "after the import" in stderr  # the filter is gone once the import is done
 
 
+@pytest.mark.slow
 def test_a_cpu_bench_prints_no_cuda_notice(nvcc_env, tmp_path):
     model = tmp_path / "model.py"
     model.write_text("from torch import nn\n\ndef mlp():\n    return nn.Linear(8, 2)\n")

@@ -330,6 +330,7 @@ print(json.dumps({"answer": result.max_seq_len, "capped": result.capped, "pairs"
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("memory_mib", [700, 4096])
 def test_sequence_search_traces_its_first_lengths_in_pairs(memory_mib, monkeypatch):
     # The solver's first lengths (64; its probes 1024 and 2048; and 4096, the cap) are

@@ -101,6 +101,7 @@ def test_max_with_batch_size_finds_the_longest_sequence():
     assert data["total_bytes_at_max"] <= data["budget_bytes"]
 
 
+@pytest.mark.slow
 def test_bench_json_contract(factory_file):
     result = invoke("bench", f"{factory_file}:with_spec", "--device", "cpu", "--memory", "64MiB",
                     "--batches", "4,16", "--dataset-size", "1000", "--json")
@@ -127,6 +128,7 @@ def test_bench_predict_needs_no_device(factory_file):
     assert data["predicted"] is True and data["recommended_batch_size"] >= 1
 
 
+@pytest.mark.slow
 def test_search_json_contract(factory_file):
     # one run per batch: the boundary's exec'd runs (tests/realrun/test_search.py) would
     # cost minutes at this answer (thousands of samples, a heap lottery over many of them)
@@ -153,6 +155,7 @@ def test_search_json_contract(factory_file):
         [t["batch_size"] for t in trials]
 
 
+@pytest.mark.slow
 def test_search_exit_3_when_nothing_fits(factory_file):
     result = invoke("search", f"{factory_file}:heavy", "--device", "cpu", "--memory-cap",
                     "1KiB")
@@ -559,6 +562,7 @@ def test_debug_shows_the_traceback():
     assert result.exception is not None
 
 
+@pytest.mark.slow
 def test_bench_cpu_without_memory_uses_available_memory_within_its_time_budget(factory_file):
     # issue 14 items 2 and 3: no --memory on the CPU means the memory the machine has
     # available (said on stderr and in the JSON); inference of a small MLP fits tens of

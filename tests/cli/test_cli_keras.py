@@ -96,6 +96,7 @@ def test_keras_on_another_backend_says_torch_is_needed(keras_file, backend):
     assert "torch backend" in lines[0] and "KERAS_BACKEND=torch" in lines[0]
 
 
+@pytest.mark.slow
 def test_keras_bench_predict_on_a_named_gpu(keras_file):
     result = invoke("bench", f"{keras_file}:cnn", "--gpu", "RTX 3090", "--predict",
                     "--batches", "8,64", "--json")

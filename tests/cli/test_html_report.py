@@ -19,6 +19,8 @@ from batchfit.cli.report import format_bytes
 from batchfit.errors import InvalidInputError
 from browser import open_page, screenshot
 
+pytestmark = pytest.mark.slow  # the report read in a real headless browser
+
 pytest.importorskip("plotly")
 MiB, GiB = 1 << 20, 1 << 30
 SUMMARY = [("largest batch", "max_batch_size"), ("budget", "budget_bytes"),

@@ -1,7 +1,7 @@
 """The predicted step written as a CUDA memory snapshot (``device/snapshot_export.py``).
 
 The hand-built step's expected snapshot follows the caching allocator's rules
-(c10/cuda/CUDACachingAllocator.cpp, as DESIGN.md lists them): a 1-10 MiB request gets a
+(c10/cuda/CUDACachingAllocator.cpp): a 1-10 MiB request gets a
 20 MiB segment, split when more than 1 MiB would remain; a request >= 10 MiB rounds to
 2 MiB; best fit among the cached blocks; a large block is not split when 1 MiB or less
 would remain. The real-model checks read the export back with torch's own

@@ -165,6 +165,7 @@ def test_the_tracker_refuses_an_inference_mode_step():
                      method="tracker")
 
 
+@pytest.mark.slow
 def test_real_runs_are_the_users_inference_mode_step(tmp_path):
     # bench and search run real steps: under --inference-mode they must run the user's
     # torch.inference_mode(), not the trace's no_grad. This model refuses a real forward

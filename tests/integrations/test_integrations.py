@@ -261,6 +261,7 @@ def fit(pl, model, callbacks, root, datamodule=None, max_steps: int = 5,
     return trainer
 
 
+@pytest.mark.slow
 @ON_DEVICES
 def test_lightning_lands_on_the_threshold_and_the_fit_is_bit_exact(pl, tmp_path, device):
     from batchfit.integrations.lightning import BatchfitFinder
@@ -319,6 +320,7 @@ def test_lightning_sets_the_datamodule(pl, tmp_path):
     assert data.batch_size == 30 and model.seen[-2:] == [30, 30]
 
 
+@pytest.mark.slow
 def test_lightning_seeded_by_the_prediction(pl, tmp_path):
     from batchfit.integrations.lightning import BatchfitFinder
 

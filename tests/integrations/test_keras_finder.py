@@ -116,6 +116,7 @@ def test_finder_report_only_keeps_fits_batch() -> None:
     assert int(model.optimizer.iterations.numpy()) == 4  # fit's own 64 / 16
 
 
+@pytest.mark.slow
 def test_finder_predicts_from_the_model_on_the_cpu() -> None:
     # no predicted=: batchfit traces a copy of the model for a CPU budget of 256 MiB (the
     # tiny model fits thousands there), then the guard's failures bring the search down

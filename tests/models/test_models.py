@@ -540,6 +540,7 @@ def test_hf_local_dir_errors(tmp_path):
         resolve_model(f"hf:{tmp_path}")
 
 
+@pytest.mark.slow
 def test_llama_2_7b_builds_on_meta_fast_without_memory():
     code = textwrap.dedent("""
         import resource, time, torch

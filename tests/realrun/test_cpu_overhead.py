@@ -24,6 +24,8 @@ from batchfit.realrun.trial_server import (
     run_trial_subprocess,
 )
 
+pytestmark = pytest.mark.slow  # real steps in fresh interpreters
+
 MIB = 1 << 20
 CONFIG = TrainConfig(optimizer="sgd")
 
@@ -67,7 +69,7 @@ def test_the_overhead_is_onednn_primitive_cache(convnet, monkeypatch):
 
 
 def test_capped_cpu_maximum_needs_the_overhead(convnet):
-    # The device of DESIGN.md §4: a fresh process capped 64 MiB above its warmed-up state.
+    # batchfit's CPU device: a fresh process capped 64 MiB above its warmed-up state.
     # The budget for the prediction is that state plus the cap.
     cap = 64 * MIB
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(PINNED_MMAP_THRESHOLD)}

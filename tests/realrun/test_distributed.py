@@ -42,6 +42,8 @@ from torch import nn
 from capped_models import Broadcast
 from gloo_ranks import finish_rank, run_ranks, scenario_results
 
+pytestmark = pytest.mark.slow  # real gloo process groups, one process per rank
+
 MIB = 1 << 20
 WORLD_SIZE = 2
 #: Per-rank batch size above which ``RaisesAbove`` runs out of memory.

@@ -94,6 +94,7 @@ class TinyCNN(nn.Module):
         return self.head(self.features(x))
 
 
+@pytest.mark.slow
 def test_instruments_agree_and_count_optimizer_state() -> None:
     config = TrainConfig(optimizer="adamw")
     runs = {m: measure_step(TinyCNN, (3, 32, 32), 8, config, method=m) for m in METHODS}
@@ -112,6 +113,7 @@ def test_instruments_agree_and_count_optimizer_state() -> None:
     assert profiled.peak_bytes <= tracked.peak_bytes * 1.05
 
 
+@pytest.mark.slow
 def test_measuring_leaves_global_state_alone() -> None:
     torch.manual_seed(1234)
     state = torch.get_rng_state()

@@ -25,6 +25,8 @@ from batchfit.realrun.boundary import (
 )
 from batchfit.realrun.search import search_max_batch
 
+pytestmark = pytest.mark.slow  # real steps in capped fresh processes (the real-device search)
+
 MIB = 1 << 20
 
 

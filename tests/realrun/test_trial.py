@@ -20,6 +20,8 @@ from batchfit.realrun.state import preserved_state
 from batchfit.realrun.trial import is_out_of_memory, run_trial
 from batchfit.realrun.trial_server import TrialServer, run_trial_subprocess
 
+pytestmark = pytest.mark.slow  # real trials, some in capped fresh processes
+
 MIB = 1 << 20
 PINNED = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
 
@@ -139,7 +141,7 @@ def test_real_cpu_allocator_error_is_out_of_memory():
 def _allocator_net_bytes(prof) -> int:
     """Net bytes the CPU allocator handed out while profiling: the sum of its own
     allocation (+) and free (-) reports, read from the raw kineto events (prof.events()
-    drops most "[memory]" events; DESIGN.md §4)."""
+    drops most "[memory]" events)."""
     from torch.autograd import DeviceType
 
     total = 0

@@ -28,6 +28,8 @@ from batchfit.sharding.rank import trace_config, trace_rank
 from batchfit.sharding.transforms import FSDP1Transform
 from sharded_models import CNN_INPUTS, TinyCNN, TinyTransformer, transformer_inputs
 
+pytestmark = pytest.mark.slow  # real gloo ranks in their own processes
+
 WORLD = 2
 BATCH = 8
 

@@ -333,6 +333,7 @@ def test_bench_restores_model_state_and_rng_exactly():
     assert state_hash(model) == before
 
 
+@pytest.mark.slow
 def test_auto_never_runs_a_batch_predicted_not_to_fit():
     seen: list[int] = []
     result = bench(lambda: Recorder(seen), (32,), memory_bytes=200_000, timing=FAST,
@@ -361,6 +362,7 @@ class OutOfMemoryAbove(nn.Module):
         return self.net(x)
 
 
+@pytest.mark.slow
 def test_out_of_memory_points_are_recovered_and_marked():
     seen: list[int] = []
     model = OutOfMemoryAbove(seen, limit=20)
@@ -379,6 +381,7 @@ def test_out_of_memory_points_are_recovered_and_marked():
     assert state_hash(model) == before
 
 
+@pytest.mark.slow
 def test_explicit_list_alignment_json_and_epoch_time():
     seen: list[int] = []
     result = bench(lambda: Recorder(seen), (32,), batches="4, 16", memory_bytes=1 << 24,
@@ -525,6 +528,7 @@ def flat_top(b: int) -> float:
     return b / (0.001 + 0.0001 * b)
 
 
+@pytest.mark.slow
 def test_reruns_agree_or_say_the_difference_is_within_noise(monkeypatch):
     # Ten reruns with 8% of load noise (injected, seeded). Where two reruns recommend
     # different batches, each says its recommendation is within noise.
@@ -546,6 +550,7 @@ def test_reruns_agree_or_say_the_difference_is_within_noise(monkeypatch):
     assert clean.stability.candidate_batch_sizes == (clean.recommended_batch_size,)
 
 
+@pytest.mark.slow
 def test_a_real_cpu_rerun_agrees_or_is_flagged_within_noise():
     runs = [bench(small_mlp, (32,), memory_bytes=1 << 24, max_batch_limit=256, optimizer="sgd",
                   timing=FAST, time_budget_s=None) for _ in range(2)]

@@ -146,6 +146,7 @@ def test_needs_traced_before_are_not_asked_again():
     assert asked == [2, 16, 32]
 
 
+@pytest.mark.slow
 def test_the_plan_on_a_small_model_equals_tracing_every_divisor():
     # A 16-layer MLP over 2,048 tokens on 16 GB cards: the weights (~0.27 B parameters,
     # AdamW) take a quarter of the card and the activations bind at a micro-batch between
@@ -206,6 +207,7 @@ print(json.dumps({"pairs": len(pairs), "rows": [r.to_dict() for r in result.rows
 """
 
 
+@pytest.mark.slow
 def test_the_plan_in_pairs_equals_the_plan_in_sequence():
     # The worker is forked before the process's first backward, so this runs where a user
     # runs it: a fresh process (pytest's has run backward passes). The requests the worker

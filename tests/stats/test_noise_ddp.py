@@ -25,6 +25,8 @@ from batchfit.stats.estimator import two_batch_estimates
 from batchfit.stats.measure import noise_scale
 from gloo_ranks import finish_rank, run_ranks, scenario_results
 
+pytestmark = pytest.mark.slow  # real DDP ranks over gloo
+
 WORLD_SIZE = 2
 MICRO, SIZE, STEPS = 2, 5, 3
 RUN_TIMEOUT_S = 240

@@ -316,7 +316,7 @@ def _tokens(text: str) -> list[str]:
 
 
 def live_gpu(index: int = 0) -> GPU:
-    """Describe CUDA device ``cuda:{index}`` as it is on this machine.
+    """Describe CUDA device ``cuda:{index}`` as the driver reports it.
 
     Memory, SM count and compute capability come from the device; with
     nvidia-ml-py installed, memory other processes hold on it (NVML) is taken off

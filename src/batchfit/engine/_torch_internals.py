@@ -448,8 +448,8 @@ def skippable_in_fake_trace(func: Any, args: tuple) -> bool:
     whose tensors are all arrays.
 
     It allocates no tensor, so a fake trace loses nothing by not running it; under fake
-    tensors each costs one fake dispatch per tensor in its lists (161 for ResNet-50;
-    a full ResNet-50 amp-fp16 AdamW trace took 1.22 s instead of 1.43 s, median of 4).
+    tensors each costs one fake dispatch per tensor in its lists (161 for ResNet-50's
+    AdamW), a sizeable share of a trace's time (``benchmarks/trace_speed.py``).
     Ops that touch a scalar (0-d) tensor
     still run: a fake scalar can keep its value, and later code reads it (Adam's step
     counts, whose bias correction divides by ``1 - beta ** step``; the grad scaler's

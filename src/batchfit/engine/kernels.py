@@ -28,9 +28,8 @@ cuDNN's workspaces follow other rules (DeviceProfile.workspace_bytes).
 A third registry holds the **dense copies a kernel makes of a strided input**, on CPU
 and CUDA targets alike: read from the kernel's source (``input.expect_contiguous()``),
 not measured. LayerNorm over a permuted activation (ConvNeXt's channels-last norm on an
-NCHW tensor) copies its input inside the call, one more input's worth at that op
-(measured on this CPU: an inference step whose peak is that LayerNorm was 33% above
-the trace without it; softmax over permuted channels, 25%). The tracer adds each copy
+NCHW tensor) copies its input inside the call, one more input's worth at that op (the profiler's
+memory events of a real CPU step show it; ``benchmarks/accuracy_cpu.py``). The tracer adds each copy
 as a temporary alive for the call.
 """
 
@@ -250,7 +249,7 @@ _MATMUL_ROWS_CAP = 2048
 
 
 def _matmul_scratch(op: Any, args: tuple, a_index: int) -> int:
-    """What a bf16 or fp16 CPU matmul allocates inside the kernel, measured on this CPU.
+    """What a bf16 or fp16 CPU matmul allocates inside the kernel, as oneDNN's kernels do.
 
     It depends on the instruction set oneDNN finds. Without native bf16 (no
     ``avx512_bf16``) a bf16 matmul accumulates into an fp32 buffer of the output's size:

@@ -131,7 +131,8 @@ class TensorSpec:
     Args:
         shape: per-sample shape, e.g. ``(3, 224, 224)`` or ``(512,)``.
         dtype: dtype name or ``torch.dtype``.
-        low, high: value range for integer tensors (``high`` is the vocabulary size).
+        low: lowest value of an integer tensor.
+        high: one past the highest value of an integer tensor (the vocabulary size).
         batched: False for a tensor shared by the whole batch (no batch dimension).
     """
 

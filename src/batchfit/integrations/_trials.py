@@ -171,7 +171,7 @@ def cpu_memory_cap(limit_bytes: int) -> Iterator[None]:
     An in-process trial on the CPU otherwise never runs out of memory before the machine
     does (swap, or the kernel's OOM killer): a search galloped through 13 trials of a
     small CNN in 2 minutes without one failure. Under the cap the CPU allocator raises
-    its catchable "can't allocate memory" error (DESIGN.md section 4), which the search
+    its catchable "can't allocate memory" error (``DefaultCPUAllocator``'s check), which the search
     counts as "does not fit". The whole process is capped while a trial runs, as
     ``batchfit search --memory-cap`` caps its trial processes; after a failure glibc may
     keep freed memory, which :func:`search_in_process` handles by re-running a failure that

@@ -54,8 +54,12 @@ def find_batch_size(function: Callable[..., Any] | None = None, *, predicted: An
     Args:
         function: the function to decorate (when used as ``@find_batch_size(...)``, None).
         predicted: the predicted largest batch size.
-        model, inputs, config, device, memory_bytes, options: what
-            :func:`batchfit.max_batch_size` needs for the prediction.
+        model: the model of the prediction (:func:`batchfit.max_batch_size`'s).
+        inputs: its inputs, as :func:`batchfit.max_batch_size` takes them.
+        config: its training config.
+        device: the device of the prediction.
+        memory_bytes: the memory of the prediction's device.
+        options: further keywords of :func:`batchfit.max_batch_size`.
         max_batch_size: never call the function with more.
         max_trials: call the function at most this many times; when they run out, the
             result holds the largest size that ran (``search.confirmed`` is then False).

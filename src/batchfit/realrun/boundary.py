@@ -14,8 +14,8 @@ batch size:
    independent of the batch), and it costs a fraction of a trial at the boundary.
    Otherwise *below* the prediction by ``approach`` of the limit in bytes
    (``approach * limit / bytes_per_sample`` samples), so that it most likely fits. The
-   CPU default, 25%, covers the process memory the prediction does not see
-   (DESIGN.md §4: 20-37% of RSS; measured here 4-24% of the cap); CUDA's, 5%, a
+   CPU default, 25%, covers the process memory the prediction does not see (malloc's
+   caching, oneDNN's primitive caches; ``benchmarks/max_vs_true_cpu.py``); CUDA's, 5%, a
    prediction that models the caching allocator.
 3. ``_schedule_step``: a bisection when the bracket has not halved in two trials, so a
    misleading model still converges in O(log range) trials.

@@ -26,7 +26,7 @@ optimizer, one warm-up step at batch 1, the warm-up's gradients and batch droppe
 collected, ``RLIMIT_DATA`` = ``VmData`` + cap, then the steps at batch B with no tracker,
 as a training loop runs them.
 
-An interpreter costs its ``import torch`` (3-10 s on this machine), so :class:`FreshPool`
+An interpreter costs its ``import torch`` (seconds), so :class:`FreshPool`
 starts the first ones ahead, while the search's forked trials run (they import, build
 and warm up, then wait for their batch size on stdin), and runs up to ``parallel`` of
 them at once when the caps leave room. Later rounds start when they are needed: on two

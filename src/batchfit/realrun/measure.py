@@ -24,7 +24,7 @@ Known limitations:
       two ``baseline_bytes`` points at such tensors.
     * The tracker misses memory allocated and freed inside one op.
     * Only the CPU allocator is seen: process RSS (malloc's own caching, oneDNN
-      primitive caches) is not a clean reference (see DESIGN.md §4).
+      primitive caches) is not a clean reference: it counts memory the step freed long ago.
 
 Example:
     >>> import torch

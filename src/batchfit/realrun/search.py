@@ -12,9 +12,10 @@ optimizer step), and :func:`batchfit.max_batch_size` solves exactly (more traces
 
 Why each CPU trial is a fresh process: after an out-of-memory error the freed memory
 stays in the process (glibc's heap, and whatever the training loop still holds), so a
-later, smaller batch can fail in the same process (measured here: Lightning's binsearch
-saw 48 fail after 64 failed, with a true maximum of 63). A fresh interpreter costs 7-10 s
-on this machine (``import torch``, then ``torch._dynamo`` at the first optimizer), so
+later, smaller batch can fail in the same process (Lightning's binsearch can see 48 fail
+after 64 failed with a true maximum of 63; ``benchmarks/search_vs_peers.py``). A fresh
+interpreter costs seconds (``import torch``, then ``torch._dynamo`` at the first
+optimizer), so
 the trials fork from a zygote that imported torch and the model's library once
 (:class:`batchfit.realrun.trial_server.TrialServer`), through a *template*: a child of the zygote that
 builds the model and the optimizer and warms up once, while the prediction runs. Each

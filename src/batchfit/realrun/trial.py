@@ -12,8 +12,8 @@ Two ways to run one:
   them alive) and the process stays usable. Wrap it in
   :func:`~batchfit.realrun.state.preserved_state` to get
   the user's weights, optimizer and RNG back bit-exactly.
-* :func:`~batchfit.realrun.trial_server.run_trial_subprocess`: in a fresh process with a hard memory cap (the CPU
-  "device" of DESIGN.md §4). The child builds the model and the optimizer, runs one
+* :func:`~batchfit.realrun.trial_server.run_trial_subprocess`: in a fresh process with a hard memory cap (batchfit's
+  CPU "device": a process whose data segment is capped). The child builds the model and the optimizer, runs one
   warm-up step at batch 1, drops the warm-up gradients and batch, reads its ``VmData``
   and sets ``RLIMIT_DATA`` to that plus the cap; then it runs the K steps at batch B.
 

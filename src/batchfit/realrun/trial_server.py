@@ -1,4 +1,4 @@
-"""Trials in fresh processes under a hard memory cap: the CPU "device" of DESIGN.md §4.
+"""Trials in fresh processes under a hard memory cap: batchfit's CPU "device".
 
 :func:`run_trial_subprocess` runs a trial (:mod:`batchfit.realrun.trial`) in a fresh
 process. The child builds the model and the optimizer, runs one warm-up step at batch 1,
@@ -24,7 +24,7 @@ with 144 KiB to spare, the trials and an independent ``python -c`` process neede
 same data segment to the byte. What breaks that equivalence is importing more in the
 zygote: ``torch._dynamo`` (a fresh process imports it when it builds its first
 optimizer, after the model) or libraries the model does not use each cost one batch
-there. A fresh interpreter costs 7-10 s on this machine (``import torch``, then
+there. A fresh interpreter costs seconds (``import torch``, then
 ``torch._dynamo``); the template pays the model's build, warm-up and ``torch._dynamo``
 once per request, and a trial costs a fork (milliseconds) and its steps. The zygote and
 the template never run a torch op with more than one thread (GNU OpenMP does not
@@ -262,8 +262,8 @@ class TrialServer:
     zygote imports nothing else: a fresh process imports ``torch._dynamo`` when it builds
     its first optimizer, after the model; importing it in the zygote moves the heap's free
     space and, measured, changed the largest batch by one). A trial then costs a fork
-    and its steps: the model's build, its warm-up and the ``torch._dynamo`` import (2-5 s
-    on this machine) are paid once per request, by the template, which :meth:`prepare`
+    and its steps: the model's build, its warm-up and the ``torch._dynamo`` import (seconds)
+    are paid once per request, by the template, which :meth:`prepare`
     starts while the caller computes its prediction. The template is kept while requests
     repeat, so a second search of the same request on the same server starts at once.
 

@@ -7,13 +7,11 @@ convolutions, attention), ``bandwidth_k`` of bytes/s against bytes moved (the
 norms, and a step-like chain of elementwise ops for everything else), both
 interpolated in log scale; ``latency_k`` is the kind's time at a tiny shape;
 ``overhead`` the framework's cost per op in a real training step. One flat
-roofline (the peak matmul rate and copy bandwidth) under-predicted every step of
-three small models here, by a median 39%, because kernels at a model's shapes
-run far below the peaks: in one profile, matmuls ran at 20 GFLOP/s (8 rows) to
-90 (1024 x 1024), 3x3 convolutions at 17-30 (an RGB stem) to 55-80, their
-strided backward at 11-18 to 37-43; batch norm's training forward moved 2 GB/s,
-elementwise ops 7-10 GB/s, a plain copy 10-18. Per kind, the median error over
-the same 52 points is 10% and 16% in two runs (benchmarks/bench_knee.py).
+roofline (the peak matmul rate and copy bandwidth) under-predicts a small model's
+step, because kernels at a model's shapes run far below the peaks: a matmul of few
+rows, a convolution with three input channels or a strided backward reaches a
+fraction of the peak rate, and batch norm's training forward a fraction of the copy
+bandwidth. The measured errors are in ``benchmarks/results/bench_knee.md``.
 
 Page faults (CPU). glibc serves every allocation of at least 32 MiB (its largest
 dynamic mmap threshold) from a fresh mapping and unmaps it on free, so each step
@@ -71,8 +69,8 @@ def measure_cpu_profile(*, clock: Clock | str = Clock.WALL,
     in all) on copies of its inputs that add up to 64 MiB, so that it reads them from
     memory as an op in a step reads what earlier ops wrote; its work is counted as the
     trace counts an op's (FLOPs by ``FlopCounterMode``, bytes as inputs plus outputs),
-    so a rate here is what the prediction divides by. About 60 kernels: 10-20 seconds
-    on this (shared, 2-core) machine. Numbers below are from profiles measured here.
+    so a rate here is what the prediction divides by. About 60 kernels, timed in
+    seconds.
 
     * matmul: the three GEMMs of a linear layer (forward ``x W^T``, ``g W``, ``g^T x``)
       at :data:`CPU_MATMUL_SHAPES`: FLOP/s against FLOPs per byte (20 GFLOP/s for 8
@@ -126,7 +124,7 @@ def measure_cpu_profile(*, clock: Clock | str = Clock.WALL,
         vector_flops_per_s=max(r for _, r in kinds[OpKind.MATMUL].flops_per_s),
         memory_bandwidth_bytes_per_s=bandwidth, launch_overhead_s=0.0, async_launch=False,
         kinds=kinds, page_fault_s_per_byte=fault_s, mmap_threshold_bytes=threshold,
-        source=(f"measured here: matmul, convolution, attention and norm kernels of "
+        source=(f"measured on this host: matmul, convolution, attention and norm kernels of "
                 f"training-step shapes, an elementwise chain, page faults, a tiny network's step; "
                 f"{threads} thread(s), {clock.value} clock"))
     return replace(draft, launch_overhead_s=_per_op_overhead_s(timer, draft))

@@ -10,7 +10,7 @@ us at best, so short kernels cannot run faster than that). In fp32, matmuls use
 the fp32 rate (torch's ``allow_tf32`` is off for matmul) and convolutions the
 tf32 rate (cuDNN's is on), where the card has one.
 
-CPU profiles are measured on this machine (:mod:`batchfit.speed.cpu_profile`).
+CPU profiles are measured on the host that runs batchfit (:mod:`batchfit.speed.cpu_profile`).
 """
 
 from __future__ import annotations

@@ -9,11 +9,10 @@ accelerator around each block. Only steady-state steps are timed.
 
 Noise. On a shared CPU, wall time includes whatever else runs. ``Clock.CPU``
 times the calling thread's CPU time (``time.thread_time``) with one intra-op
-thread, which other processes disturb far less: on this 2-core machine, under
-load, a 1024x1024 matmul timed 25-50% IQR by wall clock and 1-2% by thread CPU
-time. They still slow it down through the caches and memory they share: the
-same step ran up to 2x slower here from one minute to the next, and a single
-measurement 15-45% slower than its neighbours. Hence interleaved rounds, the
+thread, which other processes disturb far less than the wall clock. They still
+slow it down through the caches and memory they share: the same step can run much
+slower from one minute to the next, and a single measurement well above its
+neighbours. Hence interleaved rounds, the
 fastest of repeated measurements, and re-measuring the batches a knee rests on
 (below). ``Clock.CPU`` measures the step on one core, not the wall time you would
 see with every core; use it to compare batch sizes, not to promise a wall time.
@@ -112,8 +111,8 @@ def _freeze_learning_rate(optimizer: Any) -> None:
     """Learning rate 0: the same kernels run, but the repeated batch trains nothing.
 
     Stepping on one fixed batch drives the loss to 0 and the gradients and Adam's
-    second moments into denormal floats, which x86 CPUs process far slower: an
-    AdamW step of a 1.6M-parameter MLP took 34 ms instead of 19 ms here.
+    second moments into denormal floats, which x86 CPUs process far slower (an
+    AdamW step slows down by a large factor).
     """
     for group in optimizer.param_groups:
         if hasattr(group["lr"], "fill_"):

@@ -152,8 +152,9 @@ def noise_scale(model: nn.Module, loss_fn: Callable[..., Any] | None, data: Any,
             ``model(**batch).loss`` for dict batches.
         data: a map-style Dataset, a DataLoader over one, or tensors (see
             :mod:`batchfit.stats.data`); it must hold at least ``batch_big`` examples.
-        batch_small, batch_big: the two batch sizes (``batch_small < batch_big``; for
-            ``microbatch`` and ``ddp`` the big batch splits into small ones).
+        batch_small: the small batch size (``batch_small < batch_big``).
+        batch_big: the big batch size (for ``microbatch`` and ``ddp`` it splits into
+            small ones).
         steps: measured steps (big batches).
         method: ``auto``, ``microbatch``, ``per-example`` or ``ddp`` (see the module docstring).
         optimizer: also train while measuring (an optimizer over ``model``'s parameters).
