@@ -355,8 +355,9 @@ def _trace_new(pool: TracePool, sizes: Sequence[int], done: Mapping[int, Any],
     return pool.map(todo)
 
 
-#: Batch sizes traced to fit the per-event sizes (DESIGN.md: a line through B=16 and 32
-#: was 0.7% off at B=256 for ResNet-50; through 1 and 2 it was 63% off).
+#: Batch sizes traced to fit the per-event sizes: moderate batches, where per-sample
+#: tensors already dominate the fixed ones, so a line through them extrapolates far
+#: better than one through 1 and 2 (the docs' accuracy notes give the measurement).
 _FIT_BATCHES = (16, 32)
 
 
@@ -446,9 +447,8 @@ def _largest_fitting(fits: Callable[[int], bool], low: int, high: int, guess: in
     ``fits`` turns False once and stays False (more batch, more memory).
 
     Starts at ``guess`` and doubles its step away from it until the answer is bracketed,
-    then bisects: ``~2 log2(|error of the guess|) + 2`` calls. From :func:`_guess`,
-    ResNet-50's answer (553, amp-fp16 on an RTX 3090) took 4 calls, each one replay of
-    the step; the solver used before took 5 evaluations of ~10 replays each.
+    then bisects: ``~2 log2(|error of the guess|) + 2`` calls, each one replay of the
+    step; a good guess from :func:`_guess` makes that a handful.
     """
     lo, hi = low, high + 1  # fits(lo); hi is past the answer (fails, or beyond the range)
     probe = min(max(guess, low + 1), high)

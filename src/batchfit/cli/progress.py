@@ -31,7 +31,7 @@ _err = Console(stderr=True)
 
 #: Plain mode: seconds a piece of work must run before the line saying it started shows.
 #: A command that stops on bad input prints its one error line alone: such an error comes
-#: while the model's library imports (timm took 1 s here), before any work this long.
+#: while the model's library imports, well before any work runs this long.
 START_DELAY_S = 5.0
 
 

@@ -58,7 +58,7 @@ def import_bitsandbytes() -> Any:
     """``import bitsandbytes``. With ``BATCHFIT_BNB_NO_COMPILE=1`` (the CLI sets it for its
     own process), ``torch.compile`` is an identity while bitsandbytes imports: its CPU
     fallback kernels are wrapped in ``torch.compile`` at import, which imports
-    ``torch._inductor`` (about 5 s here), and a trace never calls them."""
+    ``torch._inductor`` (seconds of imports), and a trace never calls them."""
     import os
     import sys
 
