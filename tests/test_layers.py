@@ -190,16 +190,10 @@ def cycles_within_packages(sources: dict[str, str]) -> list[list[str]]:
     return found
 
 
-#: Packages whose cycles are being removed elsewhere: the CLI's commands import private
-#: helpers of ``cli/app.py``, which imports them (issue 40, item 3, "the CLI declared once",
-#: restructures the package; drop the entry then).
-CYCLES_BEING_REMOVED = {"batchfit.cli"}
-
-
 def test_no_import_cycle_inside_a_package():
     sources = {module: path.read_text(encoding="utf-8") for module, path in package_modules()}
     cycles = cycles_within_packages(sources)
-    assert [c for c in cycles if package_of(c[0]) not in CYCLES_BEING_REMOVED] == []
+    assert cycles == []
 
 
 def test_a_deliberate_cycle_is_caught():

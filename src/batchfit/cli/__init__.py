@@ -6,6 +6,7 @@ The top layer: it may import every other part of batchfit, and nothing imports i
 Commands import torch and the engine lazily, so ``batchfit --help`` stays fast.
 """
 
+from batchfit.cli import app as _first  # noqa: F401 - registers estimate ... gpus, listed first
 from batchfit.cli import noise as _noise  # noqa: F401 - registers noise and recommend
 from batchfit.cli import plan as _plan  # noqa: F401 - registers plan
 from batchfit.cli import serve as _serve  # noqa: F401 - registers serve

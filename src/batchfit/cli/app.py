@@ -18,8 +18,8 @@ from typing import Any, Optional
 
 import typer
 
+import batchfit.cli.outputs as outputs
 from batchfit._gc import one_command_process
-from batchfit.cli import outputs
 from batchfit.cli.common import (
     check_plot,
     emit_json,
@@ -44,11 +44,9 @@ from batchfit.cli.options import (
     takes,
 )
 from batchfit.cli.progress import bench_progress, progress, trial_text
+from batchfit.cli.root import app
 from batchfit.engine.spec import parse_duration, parse_size
 from batchfit.errors import InvalidInputError
-
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Predict the GPU memory of a PyTorch step and the largest batch that fits.")
 
 #: What estimate and max ask the library with (batchfit.api.answers' keyword groups).
 ANSWER_OPTIONS = (*STEP_OPTIONS, "gpu", "device", "overhead", *STACK_OPTIONS, *LLM_OPTIONS,

@@ -9,7 +9,6 @@ from typing import Any
 
 import typer
 
-from batchfit.cli.app import app
 from batchfit.cli.common import (
     check_plot,
     emit_json,
@@ -20,6 +19,7 @@ from batchfit.cli.common import (
 )
 from batchfit.cli.options import option
 from batchfit.cli.progress import bench_progress, counted_progress, progress
+from batchfit.cli.root import app
 from batchfit.engine.spec import parse_size
 from batchfit.errors import InvalidInputError
 
@@ -160,9 +160,8 @@ def _throughput(loaded: Any, device: str | None, memory: str | None, gpu: str | 
     limit = min(source.size, 1 << 16)  # a batch larger than the data does not train
     memory_bytes = parse_size(memory) if memory is not None else None
     if predict:
-        from batchfit.speed.roofline import predict_throughput
-
         from batchfit.api.target import predicted_card
+        from batchfit.speed.roofline import predict_throughput
 
         card = predicted_card(gpu, memory_bytes, (settings or {}).get("stack"))
         with progress("recommend", f"predicting step times on {gpu}"):

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import typer
 
-from batchfit.cli import outputs
+import batchfit.cli.outputs as outputs
 
 MODEL, STEP, TARGET, LLM, MULTI, OUTPUT = (
     "Model", "Step", "Device and stack", "LLM fine-tuning", "Multi-GPU", "Output")

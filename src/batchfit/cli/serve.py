@@ -7,11 +7,11 @@ from typing import Any, Optional
 
 import typer
 
-from batchfit.cli import outputs
-from batchfit.cli.app import app
+import batchfit.cli.outputs as outputs
 from batchfit.cli.common import emit_json, errors, out
 from batchfit.cli.options import option
 from batchfit.cli.progress import progress
+from batchfit.cli.root import app
 from batchfit.engine.spec import parse_size
 
 

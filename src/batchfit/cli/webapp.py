@@ -29,7 +29,8 @@ from typing import Any
 
 import typer
 
-from batchfit.cli.app import app, err
+from batchfit.cli.common import err
+from batchfit.cli.root import app
 
 #: Choices offered where the command takes a fixed set (the command checks them again).
 MODES = ("train", "infer")
