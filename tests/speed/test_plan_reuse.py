@@ -17,7 +17,7 @@ from batchfit.speed.plan import plan
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import plan_reference  # noqa: E402
+import plan_reference
 
 REFERENCE = json.loads((HERE / "plan_reference.json").read_text())
 
