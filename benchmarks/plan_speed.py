@@ -4,47 +4,78 @@ fresh `batchfit` process, start-up included): issue 36's case, target <= 60 s.
     batchfit plan hf:meta-llama/Meta-Llama-3-8B --gpus 8xH100 --global-batch 256
       --seq-len 2048 --strategies ddp,fsdp,zero2,zero3
 
-Usage: nice python benchmarks/plan_speed.py [--runs 3]
-Writes benchmarks/results/plan_speed.json (every run and the median) and prints a summary.
+Usage: nice python benchmarks/plan_speed.py [--runs 3] [--old-src DIR] [--case small]
+
+``--old-src DIR``: also time an older checkout's ``src`` (e.g. ``git archive OLD src | tar -x
+-C /tmp/old``, then ``--old-src /tmp/old/src``), alternating with this one in each round, and
+check that both give the same plan. ``--case small``: GPT-2 (124M) at 256 tokens instead.
+Writes benchmarks/results/plan_speed[_small].json (every run, the medians and the load
+average before and after each run) and prints a summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from llm_speed import RESULTS, run_cli
+from llm_speed import RESULTS
 
-ARGV = ["plan", "hf:meta-llama/Meta-Llama-3-8B", "--gpus", "8xH100", "--global-batch", "256",
-        "--seq-len", "2048", "--strategies", "ddp,fsdp,zero2,zero3"]
+CASES = {
+    "8b": ["plan", "hf:meta-llama/Meta-Llama-3-8B", "--gpus", "8xH100", "--global-batch", "256",
+           "--seq-len", "2048", "--strategies", "ddp,fsdp,zero2,zero3"],
+    "small": ["plan", "hf:openai-community/gpt2", "--gpus", "8xH100", "--global-batch", "64",
+              "--seq-len", "256", "--strategies", "ddp,fsdp,zero2,zero3"],
+}
 TARGET_S = 60.0
+SRC = Path(__file__).parents[1] / "src"
+
+
+def run_plan(arguments: list[str], src: Path) -> dict:
+    """One plan in a fresh process importing batchfit from ``src``: seconds and its JSON."""
+    code = ("import sys; from batchfit.cli import main; sys.argv = ['batchfit'] + sys.argv[1:]\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code, *arguments, "--json"], env=env,
+                          capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - start
+    return {"seconds": round(wall, 2), "load_before": round(load, 2),
+            "load_after": round(os.getloadavg()[0], 2), "answer": json.loads(proc.stdout)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--old-src", type=Path, default=None)
+    parser.add_argument("--case", choices=sorted(CASES), default="8b")
     args = parser.parse_args()
-    subprocess.run([sys.executable, "-m", "compileall", "-q",
-                    str(Path(__file__).parents[1] / "src")], check=True)
-    runs, reference = [], []
+    argv = CASES[args.case]
+    sources = {"new": SRC, **({"old": args.old_src} if args.old_src else {})}
+    for src in sources.values():
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(src)], check=True)
+    runs: dict[str, list[dict]] = {name: [] for name in sources}
     for _ in range(args.runs):
-        start = time.perf_counter()  # the machine's speed now, as a yardstick
-        subprocess.run([sys.executable, "-c", "import torch"], check=True)
-        reference.append(round(time.perf_counter() - start, 2))
-        runs.append(run_cli(ARGV))
-        print(runs[-1], flush=True)
-    median = statistics.median(r["seconds"] for r in runs)
-    out = {"argv": ARGV, "runs": runs, "median_s": median, "target_s": TARGET_S,
-           "reference_import_torch_s": reference,
-           "max_rss_bytes": max(r["max_rss_bytes"] for r in runs)}
+        for name, src in sources.items():
+            runs[name].append(run_plan(argv, src))
+            print(name, {k: v for k, v in runs[name][-1].items() if k != "answer"}, flush=True)
+    answers = {name: runs[name][0]["answer"] for name in sources}
+    medians = {name: statistics.median(r["seconds"] for r in rs) for name, rs in runs.items()}
+    out = {"argv": argv, "target_s": TARGET_S, "medians_s": medians,
+           "same_answer": len({json.dumps(a, sort_keys=True) for a in answers.values()}) == 1,
+           "runs": {name: [{k: v for k, v in r.items() if k != "answer"} for r in rs]
+                    for name, rs in runs.items()}, "answer": answers["new"]}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "plan_speed.json").write_text(json.dumps(out, indent=2) + "\n")
-    print(f"plan 8B x 4 layouts: median {median:.1f} s (target {TARGET_S:.0f} s)")
+    name = "plan_speed.json" if args.case == "8b" else f"plan_speed_{args.case}.json"
+    (RESULTS / name).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"plan {args.case}: medians {medians} (target {TARGET_S:.0f} s for 8b), "
+          f"same answer: {out['same_answer']}")
 
 
 if __name__ == "__main__":

@@ -175,15 +175,16 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
     layouts = [(strategy, tp, _layout(strategy, count, nodes, tp)) for strategy in names
                for tp in ([1] if strategy != "fsdp" else [1, *tp_degrees])]
     _check_global_batch(global_batch, count, [layout for _, _, layout in layouts])
-    facts = _model_facts(model, inputs, config)
-    speed = _Speed(model, inputs, card)
     requests = [(replace(layout, offload=off), replace(config, checkpointing=ckpt), micro)
                 for _, _, layout in layouts
                 if not isinstance(layout, str) and global_batch % layout.data_parallel_size == 0
                 for ckpt, off in _variants(layout, checkpointing, offload)
                 for micro in _divisors(global_batch // layout.data_parallel_size)]
     rows = []
-    with _Needs(model, inputs, gpu_profile(card), requests) as needs:
+    with _Needs(model, inputs, gpu_profile(card), requests, config) as needs:
+        # one model built on meta for the facts, the memory traces and the roofline's
+        facts = _model_facts(model, inputs, needs.meta_model)
+        speed = _Speed(model, inputs, card, needs.meta_model)
         for strategy, tp, layout in layouts:
             if isinstance(layout, str):
                 rows.append(LayoutPlan(strategy, tp, "none", False, False, layout))
@@ -347,7 +348,7 @@ class _Needs:
     """
 
     def __init__(self, model: Any, inputs: Any, device: Any,
-                 requests: list[tuple[Any, TrainConfig, int]]) -> None:
+                 requests: list[tuple[Any, TrainConfig, int]], config: TrainConfig) -> None:
         from batchfit.answers.tracepool import TracePool
         from batchfit.engine.trace import TraceReuse
 
@@ -356,12 +357,19 @@ class _Needs:
         self._ids = {(_variant_key(layout, config), micro): n
                      for n, (layout, config, micro) in enumerate(requests)}
         self._meta = TraceReuse()
-        if requests and requests[0][1].workload is None:
+        if config.workload is None:
             self._meta.build_model(model)  # before the fork: the worker inherits it
         self._reuse: dict[tuple[Any, ...], Any] = {}
         self.sizes: dict[tuple[Any, ...], dict[int, int]] = {}
         self.slopes: dict[bool, float] = {}
         self.pool = TracePool(self._trace, allowed=device.is_cuda)
+
+    @property
+    def meta_model(self) -> Any:
+        """The model the traces copy: the user's module, or the factory's built on meta
+        once (None with an LLM workload, whose preparer builds its own)."""
+        return self._meta.meta_model if self._meta.meta_model is not None else (
+            self.model if hasattr(self.model, "parameters") else None)
 
     def __enter__(self) -> Self:
         return self
@@ -601,32 +609,47 @@ class _Speed:
     three other batches (one trace where the fit takes three; a plan's layouts share
     few micro-batches)."""
 
-    def __init__(self, model: Any, inputs: Any, card: Any) -> None:
-        self.model, self.inputs, self.card = model, inputs, card
+    def __init__(self, model: Any, inputs: Any, card: Any, meta: Any = None) -> None:
+        self.model, self.inputs, self.card, self.meta = model, inputs, card, meta
         self._seconds: dict[tuple[bool, int], float] = {}
 
     def micro_step_s(self, config: TrainConfig, batch_size: int) -> float:
         from batchfit.device.profile import gpu_profile
-        from batchfit.speed.op_costs import constant_costs, step_times, trace_op_costs
+        from batchfit.speed.op_costs import constant_costs, step_times, trace_step_and_costs
         from batchfit.speed.rates import gpu_roofline_profile
 
         key = (config.checkpointing, batch_size)
         if key not in self._seconds:
-            ops = trace_op_costs(self.model, self.inputs, batch_size, config,
-                                 device=gpu_profile(self.card))
+            _, ops = trace_step_and_costs(self.model, self.inputs, batch_size, config,
+                                          gpu_profile(self.card), self._reuse())
             roofline = gpu_roofline_profile(self.card, config.precision)
             self._seconds[key] = step_times(constant_costs(ops, batch_size), roofline,
                                             [batch_size])[0].step_s
         return self._seconds[key]
 
+    def _reuse(self) -> Any:
+        """A fresh :class:`~batchfit.engine.trace.TraceReuse` holding the plan's model built
+        on meta (each trace copies it; none changes it), or None to build one in the trace:
+        with a workload, or for a Keras model (built in the config's dtype policy)."""
+        from batchfit.engine.keras_detect import is_keras_model
+        from batchfit.engine.trace import TraceReuse
 
-def _model_facts(model: Any, inputs: Any, config: TrainConfig) -> _Model:
-    """Parameters, layers, hidden size and tokens per sample, from the model built on meta."""
+        if self.meta is None or is_keras_model(self.meta):
+            return None
+        reuse = TraceReuse()
+        reuse.meta_model = self.meta
+        return reuse
+
+
+def _model_facts(model: Any, inputs: Any, meta: Any = None) -> _Model:
+    """Parameters, layers, hidden size and tokens per sample, from the model built on meta
+    (``meta``, or built here when None)."""
     from batchfit.engine.fake import build_on_meta
     from batchfit.engine.spec import TensorSpec
     from batchfit.engine.step import normalize_input_spec
 
-    built = model if not callable(model) or hasattr(model, "parameters") else build_on_meta(model)
+    built = meta if meta is not None else (
+        model if not callable(model) or hasattr(model, "parameters") else build_on_meta(model))
     parameters = sum(p.numel() for p in built.parameters())
     hf = getattr(built, "config", None)
     layers = getattr(hf, "num_hidden_layers", None)
