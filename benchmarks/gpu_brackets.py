@@ -1,13 +1,17 @@
 """``batchfit max --gpu`` against real out-of-memory brackets measured on real GPUs.
 
+How it asks batchfit: ``batchfit.max_batch_size(factory, (3, S, S),
+batchfit.TrainConfig(...), device="CARD NAME")``, a user's own model (the row's timm
+release) on the catalog card.
+
 The data (``/work/shared/data/gpu_brackets/``, see its README) are timm's own
 ``benchmark.py`` runs: for each model, the largest batch that ran (``batch_fit``) and
 the next size of its decay sequence, which failed (``batch_failed``). Every row is
 predicted here as a user would ask for it, with that run's settings through
 batchfit's public API (``batchfit.max_batch_size``):
 
-* the card from the catalog (the RTX PRO 6000 Blackwell Max-Q, until the catalog has
-  it, as ``DeviceProfile.cuda(97,887 MiB, sm_120)``, what nvidia-smi reports for it);
+* the card from the catalog by the row's name, as ``--gpu NAME`` (the RTX PRO 6000
+  Blackwell Max-Q included: the catalog has it, with its CUDA total);
 * ``timm.create_model(name)`` with the script's arguments (``drop_rate=0``, no drop
   path), input ``(3, img_size, img_size)``, ``channels_last`` for nhwc rows, from the
   timm release that produced the row's file (:data:`TIMM_OF_SOURCE`: the model code
@@ -71,12 +75,7 @@ from typing import Any, Callable, Iterable
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "gpu_brackets"
 DATA = Path(os.environ.get("GPU_BRACKETS_DATA", "/work/shared/data/gpu_brackets"))
-MiB = 1 << 20
 PRO6000_MAXQ = "RTX PRO 6000 Blackwell Max-Q"
-#: What nvidia-smi reports for the Max-Q card (the data README), and its architecture.
-PRO6000_MAXQ_BYTES = 97_887 * MiB
-PRO6000_MAXQ_CC = (12, 0)
-PRO6000_MAXQ_SMS = 188
 #: Where benchmark.py starts each file's decay sequence (the data README).
 START_SIZE = {("T", "nchw"): 512, ("T", "nhwc"): 512, ("I", "nhwc"): 512}
 #: CUDA version of each torch build the rows ran (the data README).
@@ -206,21 +205,10 @@ def build_timm_on_cpu(name: str, fused_attn: bool) -> Any:
 
 
 def device_for(row: Row) -> Any:
-    import batchfit
-    from batchfit.errors import InvalidInputError
+    """The row's card as ``--gpu NAME`` resolves it: the catalog's profile of that name."""
+    from batchfit.device.profile import resolve_device
 
-    try:
-        from batchfit.device import resolve_device
-    except ImportError:  # the layout of issue 12
-        from batchfit.device.profile import resolve_device  # type: ignore[no-redef]
-    try:
-        return resolve_device(row.gpu)
-    except InvalidInputError:
-        if row.gpu != PRO6000_MAXQ:
-            raise
-        return batchfit.DeviceProfile.cuda(PRO6000_MAXQ_BYTES, PRO6000_MAXQ_CC,
-                                           name=f"NVIDIA {PRO6000_MAXQ}",
-                                           sm_count=PRO6000_MAXQ_SMS)
+    return resolve_device(row.gpu)
 
 
 def row_settings(row: Row) -> dict[str, Any]:
@@ -238,8 +226,6 @@ def row_settings(row: Row) -> dict[str, Any]:
     }
     if "stack" in fields:  # torch/CUDA versions decide zero_grad, context, attention...
         settings["stack"] = f"torch{row.torch}+cu{row.cuda}"
-    elif train and "grads_to_none" in fields:
-        settings["grads_to_none"] = False  # torch 1.x zero_grad() keeps gradients
     if "cudnn_benchmark" in fields:
         settings["cudnn_benchmark"] = True
     if "inference_mode" in fields and not train:

@@ -1,5 +1,8 @@
 """What-if replays of the GPU brackets: a rule changed in the allocator replay for one run.
 
+How it asks batchfit: through ``gpu_brackets.py``, with a rule of the allocator replay
+swapped in this process (an experiment, not a user's answer).
+
 These are experiments, not the engine. Each one swaps a piece of
 ``batchfit.device.timeline`` or ``batchfit.device.allocator`` in this process (the rows
 run in forked children, which inherit the swap), then runs ``gpu_brackets.py`` with the

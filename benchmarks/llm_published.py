@@ -1,5 +1,9 @@
 """batchfit against published LLM fine-tuning and serving figures, each with its full settings.
 
+How it asks batchfit: ``batchfit.max_seq_len("hf:...", 1, gpu="A100 80GB", memory="12GiB",
+lora=..., quant="nf4-dq", ...)`` and ``batchfit.estimate`` for the Unsloth rows;
+``serve_capacity`` (``batchfit serve``'s library call) for the octocoder and vLLM rows.
+
 Every figure names the metric it reports. Nothing in batchfit was fitted to these numbers,
 with one exception stated where it applies: the vLLM profile-run rule (transformers keeps the
 embedding output alive, vLLM does not) was found on the RTX 3090 log (set "dev"); the other
@@ -12,7 +16,9 @@ sets are held out.
    flash-attention 2; AdamW 8-bit (Unsloth's ``optim="adamw_8bit"``); TRL, which calls peft's
    ``prepare_model_for_kbit_training`` (fp32 embeddings and head) with reentrant
    checkpointing. Metric: maximum context (a fit boundary) per "GPU VRAM"; "OOM" means even
-   the shortest did not fit. The cards are modelled as sm80 GPUs with that many GiB.
+   the shortest did not fit. The blog names sizes, not cards: each is asked as a user
+   would, the nearest catalog card of that architecture with the size as its memory
+   (``--gpu "A100 80GB" --memory 12GiB``).
    The blog states the model, 4-bit QLoRA, rank 32 on all linear layers, batch 1 and padding
    to the length; the optimizer (8-bit AdamW) and the checkpointing mode are not stated and
    are taken from Unsloth's notebooks. The 70B rows are Llama 3.3 70B Instruct, whose
@@ -21,9 +27,8 @@ sets are held out.
    3.3's release) it is 4.46 or 4.47, whose causal-LM loss copies the float32 logits
    (batchfit.engine.workloads.hfloss): ``--unsloth-transformers 4.47`` (the default here)
    scores it with that loss, ``installed`` with the installed transformers' loss (at batch 1
-   they give the same contexts: the shifted slice is already contiguous). The traces
-   do not depend on the card's size, so one cache of peaks per model serves every card (the
-   budget is each card's, as ``max_seq_len`` takes it).
+   they give the same contexts: the shifted slice is already contiguous). Each card is
+   its own ``max_seq_len`` call, as a user asks it (no trace is shared between cards).
    How the table was made: both 8B columns are straight lines in the card's nominal GB
    (``published_line``: HF+FA2 404.73 tokens per GB, zero tokens at 9.70 GB; no figure
    more than 0.4 token off the line over 12-80 GB, nor the Unsloth column's over 8-80 GB),
@@ -64,6 +69,7 @@ sets are held out.
    sampler code differs, and at 4,096 tokens the forward binds either way.
 
 Usage: nice python benchmarks/llm_published.py [--only unsloth|octocoder|vllm]
+       nice python benchmarks/llm_published.py --only unsloth --cards 12,40,80  (a subset)
        nice python benchmarks/llm_published.py --curve 932,1152,2048  (the 8B's memory curve)
 Writes benchmarks/results/llm_published.json and .md.
 """
@@ -123,65 +129,60 @@ def published_line(points: list[tuple[int, int]]) -> dict:
             "max_residual_tokens": round(residual, 1)}
 
 
-def _qlora_config(transformers_version: str | None = None):
-    from batchfit.engine.spec import TrainConfig
+# The Unsloth step in the user's words: ``batchfit max hf:meta-llama/Llama-3.1-8B --batch-size 1
+# --gpu "A100 80GB" --memory 12GiB --lora r=32,alpha=32,targets=all-linear --quant nf4-dq
+# --precision amp-bf16 --checkpointing --use-reentrant --optimizer adamw8bit
+# --transformers-version 4.47``.
+QLORA_WORDS = {"lora": "r=32,alpha=32,targets=all-linear", "quant": "nf4-dq",
+               "precision": "amp-bf16", "checkpointing": True, "use_reentrant": True,
+               "optimizer": "adamw8bit"}
+# The blog names card sizes, not cards; the nearest catalog card of the architecture the
+# rows were modelled on (sm80), with the size as its memory (``--memory``).
+UNSLOTH_CARD = "A100 80GB"
 
-    return TrainConfig(lora="r=32,alpha=32,targets=all-linear", quant="nf4-dq",
-                       precision="amp-bf16", checkpointing=True, use_reentrant=True,
-                       optimizer="adamw8bit", transformers_version=transformers_version)
+
+def _qlora_words(gib: int, transformers_version: str | None) -> dict:
+    return {**QLORA_WORDS, "gpu": UNSLOTH_CARD, "memory": f"{gib}GiB",
+            "transformers_version": transformers_version}
 
 
-def unsloth(transformers_version: str | None = "4.47",
-            analysis: dict | None = None) -> list[dict]:
-    from batchfit.answers.estimate import estimate
-    from batchfit.answers.maxbatch import _allocator_bytes, _budget, with_seq_len
-    from batchfit.answers.solve import NothingFits, solve_max_seq_len
-    from batchfit.device.profile import DeviceProfile
-    from batchfit.engine.trace import TraceReuse
-    from batchfit.models.resolve import resolve_model
+def unsloth(transformers_version: str | None = "4.47", analysis: dict | None = None,
+            cards: set[int] | None = None) -> list[dict]:
+    """Each row as ``batchfit max --batch-size 1`` answers it for that card (``cards``: only
+    those GB, a subset of the table); its memory reading as ``batchfit estimate`` does."""
+    import batchfit
 
-    config = _qlora_config(transformers_version)
     label = transformers_version or "installed"
     rows = []
-    for hub, points, context in (("meta-llama/Llama-3.1-8B", UNSLOTH_8B, 131072),
-                                 ("meta-llama/Llama-3.1-70B", UNSLOTH_70B, 131072)):
-        spec = resolve_model(f"hf:{hub}", seq_len=1024)
-        sm80 = DeviceProfile.cuda(80 * GiB, (8, 0), name="sm80").for_stack(config.resolved_stack)
-        reuse, peaks = TraceReuse(), {}
-
-        def peak(seq_len: int) -> int:  # as max_seq_len traces it; the card only sets the budget
-            if seq_len not in peaks:
-                est = estimate(spec.factory, with_seq_len(spec.input_spec, seq_len), 1, config,
-                               device=sm80, reuse=reuse)
-                peaks[seq_len] = _allocator_bytes(est)
-            return peaks[seq_len]
-
-        overhead = 0
+    for hub, points in (("meta-llama/Llama-3.1-8B", UNSLOTH_8B),
+                        ("meta-llama/Llama-3.1-70B", UNSLOTH_70B)):
+        model = f"hf:{hub}"
         for gib, published in points:
-            card = DeviceProfile.cuda(gib * GiB, (8, 0), name=f"{gib} GiB sm80")
-            card_memory, budget = _budget(card.for_stack(config.resolved_stack), None, 0.0)
-            overhead = card_memory - budget  # the CUDA context and the cuBLAS workspaces
+            if cards is not None and gib not in cards:
+                continue
+            words = _qlora_words(gib, transformers_version)
             start = time.perf_counter()
             try:
-                predicted = solve_max_seq_len(peak, budget, max_len=context).max_seq_len
-            except NothingFits:
+                predicted = batchfit.max_seq_len(model, 1, **words).max_seq_len
+            except batchfit.DoesNotFitError:  # nothing fits
                 predicted = None
             row = _row("unsloth", f"{hub.split('/')[1]} QLoRA r32, {gib} GB, "
                        f"transformers {label}", "max context (fit)", published, predicted,
                        time.perf_counter() - start, "held-out")
             if published is not None:  # the same figure read as memory: the published
                 # context needs at most the card's GB; batchfit's device memory for it:
-                memory = (peak(published) + overhead) / GiB
+                answer = batchfit.estimate(model, 1, seq_len=published, **words)
+                memory = answer.total_bytes / GiB
                 row["device_gib_at_published"] = round(memory, 3)
                 row["memory_error_pct"] = round(100 * (memory - gib) / gib, 2)
             rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
         if analysis is not None and hub.endswith("8B"):
-            analysis.update(_line_reading(peak, overhead, points))
+            analysis.update(_line_reading(transformers_version, points))
     return rows
 
 
-def _line_reading(peak, overhead: int, points) -> dict:
+def _line_reading(transformers_version: str | None, points) -> dict:
     """How the table was made, and batchfit's curve read the same way.
 
     The columns are straight lines in the card's nominal GB (``published_line``); batchfit's
@@ -190,8 +191,8 @@ def _line_reading(peak, overhead: int, points) -> dict:
     of batchfit's own curve, evaluated at each card, is what the table's method makes of it.
     """
     fitting = [(g, t) for g, t in points if t is not None]
-    curve = {s: (peak(s) + overhead) / GiB for s in sorted({s for pair in LINE_ANCHORS
-                                                            for s in pair})}
+    lengths = sorted({s for pair in LINE_ANCHORS for s in pair})
+    curve = {p["tokens"]: p["device_gib"] for p in unsloth_curve(lengths, transformers_version)}
     readings = []
     for low, high in LINE_ANCHORS:
         slope = (curve[high] - curve[low]) / (high - low)  # GiB per token
@@ -208,29 +209,21 @@ def _line_reading(peak, overhead: int, points) -> dict:
 
 
 def unsloth_curve(lengths: list[int], transformers_version: str | None = "4.47") -> list[dict]:
-    """batchfit's device memory for the Unsloth 8B step at ``lengths`` tokens (one trace each),
-    with the allocated peak and the allocator's slack: the curve the table's line is read
-    against (``--curve``)."""
-    from batchfit.answers.estimate import estimate
-    from batchfit.answers.maxbatch import _allocator_bytes, with_seq_len
-    from batchfit.device.profile import DeviceProfile
-    from batchfit.engine.trace import TraceReuse
-    from batchfit.engine.tracer import Category
-    from batchfit.models.resolve import resolve_model
+    """batchfit's device memory for the Unsloth 8B step at ``lengths`` tokens on the 80 GB
+    card (``batchfit estimate --seq-len N``, one trace each), with the allocated peak and the
+    allocator's slack: the curve the table's line is read against (``--curve``)."""
+    import batchfit
 
-    config = _qlora_config(transformers_version)
-    spec = resolve_model("hf:meta-llama/Llama-3.1-8B", seq_len=1024)
-    sm80 = DeviceProfile.cuda(80 * GiB, (8, 0), name="sm80").for_stack(config.resolved_stack)
-    overhead = sm80.outside_allocator_bytes + sm80.workspace_bytes
-    reuse, points = TraceReuse(), []
+    words = _qlora_words(80, transformers_version)
+    points = []
     for length in lengths:
-        est = estimate(spec.factory, with_seq_len(spec.input_spec, length), 1, config,
-                       device=sm80, reuse=reuse)
+        est = batchfit.estimate("hf:meta-llama/Llama-3.1-8B", 1, seq_len=length, **words)
         points.append({"tokens": length,
-                       "device_gib": round((_allocator_bytes(est) + overhead) / GiB, 3),
+                       "device_gib": round(est.total_bytes / GiB, 3),
                        "allocated_gib": round(est.peak_allocated_bytes / GiB, 3),
-                       "slack_gib": round(est.by_category.get(Category.ALLOCATOR_SLACK, 0)
-                                          / GiB, 3),  # reserved but not allocated, at the peak
+                       "slack_gib": round(est.by_category.get(
+                           batchfit.Category.ALLOCATOR_SLACK, 0) / GiB, 3),  # reserved but
+                       # not allocated, at the peak
                        "peak_phase": str(est.peak_phase)})
         print(json.dumps(points[-1]), flush=True)
     return points
@@ -349,6 +342,8 @@ def main() -> None:
     parser.add_argument("--unsloth-transformers", default="4.47",
                         help="the transformers version whose loss the Unsloth rows use, or "
                              "'installed'")
+    parser.add_argument("--cards", help="comma-separated card GB: only those Unsloth rows, "
+                        "without the line reading (results/llm_published_unsloth_*_cards.json)")
     parser.add_argument("--curve", help="comma-separated contexts: only batchfit's device "
                         "memory for the Unsloth 8B step at each (results/"
                         "llm_published_unsloth_curve.json)")
@@ -362,13 +357,17 @@ def main() -> None:
         return
     rows: list[dict] = []
     analysis: dict = {}
+    cards = {int(x) for x in args.cards.split(",")} if args.cards else None
     for name, run in (("octocoder", octocoder), ("vllm", vllm),
-                      ("unsloth", lambda: unsloth(version, analysis))):
+                      ("unsloth", lambda: unsloth(version, None if cards else analysis,
+                                                  cards))):
         if args.only in (None, name):
             rows += run()
             print(json.dumps(rows[-1]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     only = args.only if args.only != "unsloth" else f"unsloth_{args.unsloth_transformers}"
+    if cards is not None:
+        only += "_cards"
     path = RESULTS / ("llm_published.json" if args.only is None
                       else f"llm_published_{only}.json")
     write_results(path, rows, analysis)

@@ -1,6 +1,10 @@
 """Issue 3's end-to-end check: ``batchfit max --device cpu --memory BUDGET`` against the true
 maximum on a capped CPU, for a small CNN, a timm model and a small transformer.
 
+How it asks batchfit: ``batchfit max SPEC --device cpu --memory BUDGET --json`` (the CLI),
+and ``batchfit.estimate(SPEC, B, device="cpu", ...)`` for the budget's state and the live
+bytes.
+
 The device (DESIGN.md §4): a fresh ``python -c`` process builds the model and AdamW, runs
 one training step at batch 1, frees that step's gradients and batch, reads its
 ``VmData`` and sets ``RLIMIT_DATA`` to ``VmData + CAP``; then it runs 2 steps at batch B.
@@ -219,16 +223,26 @@ def flaky_batches(log: list[dict]) -> dict[int, list[bool]]:
 # --------------------------------------------------------------------------- prediction
 
 
-def state_bytes(name: str) -> int:
-    """Parameters + buffers + optimizer state, as the trace counts them."""
-    from batchfit import Category, TrainConfig
-    from batchfit.answers.estimate import estimate
+def user_words(name: str) -> dict:
+    """The options a user gives for ``name``, as the public API's keywords (the CLI's flags
+    in :func:`cli_prediction`)."""
+    entry = MODELS[name]
+    words = {"optimizer": OPTIMIZER, "device": "cpu", "seq_len": entry.get("seq_len"),
+             "model_kwargs": entry.get("model_kwargs")}
+    if "input_shape" in entry:
+        words["input_shape"] = "x".join(map(str, entry["input_shape"]))
+    return words
 
-    spec = resolve(name)
-    est = estimate(spec.factory, spec.input_spec, 1,
-                   TrainConfig(optimizer=OPTIMIZER, loss_fn=spec.loss_fn), device="cpu")
-    return sum(est.by_category.get(c, 0)
-               for c in (Category.PARAMETERS, Category.BUFFERS, Category.OPTIMIZER_STATE))
+
+def state_bytes(name: str) -> int:
+    """Parameters + buffers + optimizer state, as the trace counts them
+    (``batchfit.estimate(SPEC, 1, device="cpu", ...)``)."""
+    import batchfit
+
+    est = batchfit.estimate(MODELS[name]["spec"], 1, **user_words(name))
+    return sum(est.by_category.get(c, 0) for c in (batchfit.Category.PARAMETERS,
+                                                   batchfit.Category.BUFFERS,
+                                                   batchfit.Category.OPTIMIZER_STATE))
 
 
 def cli_prediction(name: str, budget: int, *extra: str) -> dict:
@@ -253,13 +267,10 @@ def cli_prediction(name: str, budget: int, *extra: str) -> dict:
 
 
 def live_prediction(name: str, batch_size: int) -> int:
-    from batchfit import TrainConfig
-    from batchfit.answers.estimate import estimate
+    import batchfit
 
-    spec = resolve(name)
-    return estimate(spec.factory, spec.input_spec, batch_size,
-                    TrainConfig(optimizer=OPTIMIZER, loss_fn=spec.loss_fn),
-                    device="cpu").peak_allocated_bytes
+    return batchfit.estimate(MODELS[name]["spec"], batch_size,
+                             **user_words(name)).peak_allocated_bytes
 
 
 def trial_server(name: str):

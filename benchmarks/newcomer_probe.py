@@ -1,5 +1,8 @@
 """Re-probe of issue 35's items 1, 3, 4, 8, 9 and 11: each input, its exit code and first line.
 
+How it asks batchfit: the CLI in fresh processes, each input's exit code and first line (a
+probe, no figure).
+
 Run with the sources under test first on the path, e.g.
 ``PYTHONPATH=src python benchmarks/newcomer_probe.py`` (``--only SUBSTRING`` runs a subset).
 For ``--json`` runs the line shown is the JSON keys the items are about; an interrupt row

@@ -1,5 +1,9 @@
 """Predict published per-GPU memory figures of multi-GPU training (issue 16).
 
+How it asks batchfit: ``estimate_ranks`` with hand-set configs (a restated torch 2.0 Adam
+class, ``zero_grad_after_forward``, torchtitan's per-op checkpointing policy): settings no
+user option expresses, so its figures are not user-facing yet.
+
 Every figure is predicted from its source's own settings, with nothing tuned to it; the
 held-out group was scored only after the first group's code was final.
 

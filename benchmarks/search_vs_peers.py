@@ -1,6 +1,9 @@
 """Issue 4's benchmark: batchfit's real-device search against Lightning's batch-size finder
 (power and binsearch) and accelerate's ``find_executable_batch_size``, on a capped CPU.
 
+How it asks batchfit: ``search_max_batch(..., device="cpu", memory_cap_bytes=CAP)`` as a
+library user runs the real search (a speed and trial-count harness).
+
 Same device for everyone (see ``max_vs_true_cpu.py``): AdamW, 2 steps per trial, each
 method's process built the model and ran one warm-up step at batch 1, then
 ``RLIMIT_DATA`` = VmData + cap; glibc's mmap threshold pinned, ``OMP_NUM_THREADS=1``.

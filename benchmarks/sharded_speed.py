@@ -1,5 +1,8 @@
 """Speed and memory of multi-GPU answers (issue 16), each in a fresh process as a user runs it.
 
+How it asks batchfit: ``batchfit estimate``/``batchfit plan`` in fresh processes, as a user
+runs them (a speed harness; the peer builds its own FSDP step).
+
 1. One Llama-3-70B FSDP2 rank of 64 GPUs (H100 SXM, seq 8192, micro-batch 1, amp-bf16,
    AdamW, activation checkpointing): ``batchfit estimate ... --world-size 64 --strategy
    fsdp`` wall time and peak RSS. Target: <= 60 s and <= 3 GB.

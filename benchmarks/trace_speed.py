@@ -1,5 +1,8 @@
 """Speed and memory of the engine itself.
 
+How it asks batchfit: the engine's trace directly (item 1, the same step as the peer's) and
+the ``batchfit max`` CLI in fresh processes (a speed harness).
+
 1. One trace of timm ResNet-50 (training, AdamW, batch 64): batchfit vs torch's
    MemTracker under FakeTensorMode on the same step, median of several runs.
    Target: <= 2 s, and faster than MemTracker.
