@@ -211,7 +211,33 @@ def test_cancel_ends_the_command(server):
             "() => /batchfit max \\[ *[0-9.]+ s\\]/.test("
             "document.querySelector('#status textarea').value)", timeout=60_000)
         page.locator("#cancel").click()
-        deadline = time.time() + 10  # well before the 70B search would end by itself
+        deadline = time.time() + 5  # at once: well before its next progress line
         while set(_children()) - before and time.time() < deadline:
             time.sleep(0.2)
     assert not set(_children()) - before, "the cancelled command is still running"
+
+
+def test_running_stop_ends_the_sessions_command_between_its_lines():
+    # a command that writes nothing for a minute: a generator blocked reading its stderr
+    # cannot be closed, so Cancel must end the process itself
+    import subprocess
+    import sys
+
+    from batchfit.cli.webapp import Running
+
+    running = Running()
+    quiet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    running.add("a", quiet)
+    running.add("b", other)
+    try:
+        begin = time.time()
+        assert running.stop("a") and quiet.poll() is not None
+        assert time.time() - begin < 5
+        assert other.poll() is None  # another session's command runs on
+        assert not running.stop("a")  # nothing left under "a"
+        running.remove("b", other)
+        assert not running.stop("b") and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()

@@ -154,7 +154,7 @@ JAX_SCRIPT = textwrap.dedent("""
     x = rng.standard_normal((256, 16)).astype("float32")
     y = rng.integers(0, 10, 256)
     model = build()
-    finder = BatchSizeFinder(predicted=4096, memory_bytes=int(sys.argv[1]), max_trials=4)
+    finder = BatchSizeFinder(predicted=4096, memory_bytes=int(sys.argv[1]), max_trials=2)
     model.fit(x, y, epochs=1, batch_size=64, shuffle=False, verbose=0, callbacks=[finder])
     plain = build()
     plain.fit(x, y, epochs=1, batch_size=64, shuffle=False, verbose=0)
@@ -173,16 +173,24 @@ def test_finder_on_jax_catches_xla_out_of_memory_and_restores_exactly(tmp_path) 
 
     script = tmp_path / "jax_finder.py"
     script.write_text(JAX_SCRIPT)
+    # one thread and synchronous dispatch: under RLIMIT_DATA every allocation can fail, and
+    # one in a worker thread of XLA's pool (not the buffer whose failure XLA reports as
+    # RESOURCE_EXHAUSTED) can leave the process waiting forever; with one thread the
+    # failing allocation is the buffer's, on the calling thread
     env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(SRC),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+           "JAX_CPU_ENABLE_ASYNC_DISPATCH": "false",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 "
+                        "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
     # the model's variables hold ~100 MiB (weights and Adam's slots); a 300 MiB budget has
-    # no room for batch 3686 (XLA asks for one 275 MiB buffer there, measured); 4 trials
-    # are enough to see failures caught and the state put back
+    # no room for batch 3686 (XLA asks for one 218 MiB buffer there, measured); 2 trials
+    # (3686 runs out, half of it fits) are enough to see a failure caught and the state
+    # put back, with the fewest out-of-memory errors
     done = subprocess.run([sys.executable, str(script), str(300 << 20)], env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     failed = [t for t in result["trials"] if not t[1]]
-    assert failed and all("RESOURCE_EXHAUSTED" in t[2] for t in failed), result
-    assert 0 < result["max"] < 3686
+    assert [t[0] for t in failed] == [3686], result
+    assert all("RESOURCE_EXHAUSTED" in t[2] for t in failed), result
+    assert result["max"] == 1843  # 4096 - ceil(0.1 * 4096) failed; half of it ran
     assert result["same"], "the fit after the search differs from the fit without it"

@@ -22,6 +22,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,13 +132,47 @@ def output_files(words: Sequence[str], folder: Path) -> OutputFiles:
     return OutputFiles(paths)
 
 
-def run(words: Sequence[str], env: dict[str, str] | None = None) -> Iterator[str | Answer]:
+class Running:
+    """The commands running now, each under the key of the browser session that asked.
+
+    Cancel ends its session's command here, at once: Gradio's cancel stops the request's
+    generator only when it next yields, and a command between two progress lines (a long
+    trace) yields nothing until its next line."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._processes: dict[str, subprocess.Popen] = {}
+
+    def add(self, key: str, process: subprocess.Popen) -> None:
+        with self._lock:
+            self._processes[key] = process
+
+    def remove(self, key: str, process: subprocess.Popen) -> None:
+        with self._lock:
+            if self._processes.get(key) is process:
+                del self._processes[key]
+
+    def stop(self, key: str) -> bool:
+        """End ``key``'s command; False when none was running."""
+        with self._lock:
+            process = self._processes.pop(key, None)
+        if process is None or process.poll() is not None:
+            return False
+        process.kill()
+        process.wait()
+        return True
+
+
+def run(words: Sequence[str], env: dict[str, str] | None = None,
+        running: tuple[Running, str] | None = None) -> Iterator[str | Answer]:
     """Run ``batchfit WORDS`` as its own process: yields each progress line it writes on
     stderr, then the :class:`Answer`. Closing the generator (a cancelled request) ends the
-    process."""
+    process; so does ``Running.stop(key)`` with ``running=(Running, key)``."""
     process = subprocess.Popen(
         [sys.executable, "-m", "batchfit.cli", *words], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    if running is not None:
+        running[0].add(running[1], process)
     last = ""
     try:
         assert process.stderr is not None and process.stdout is not None
@@ -149,6 +184,8 @@ def run(words: Sequence[str], env: dict[str, str] | None = None) -> Iterator[str
         output = process.stdout.read()
         code = process.wait()
     finally:
+        if running is not None:
+            running[0].remove(running[1], process)
         if process.poll() is None:  # cancelled: stop the trace now
             process.kill()
             process.wait()
@@ -238,10 +275,12 @@ def build_app() -> Any:
                                elem_id="snapshot")
         details = gr.JSON(label="The answer's JSON", elem_id="json")
 
-        def answer_request(*values: Any) -> Iterator[tuple[str, str, Any]]:
-            names = ("model", "model_file", "factory", "gpu", "memory", "mode", "batch_size",
-                     "precision", "optimizer", "seq_len", "input_shape", "lora", "quant",
-                     "world_size", "strategy")
+        running = Running()
+        names = ("model", "model_file", "factory", "gpu", "memory", "mode", "batch_size",
+                 "precision", "optimizer", "seq_len", "input_shape", "lora", "quant",
+                 "world_size", "strategy")
+
+        def answer_request(request: gr.Request, *values: Any) -> Iterator[tuple[str, str, Any]]:
             fields = dict(zip(names, values))
             upload = fields["model_file"]
             fields["model_file"] = getattr(upload, "name", upload) or ""
@@ -257,7 +296,8 @@ def build_app() -> Any:
             yield command, "", None, None, None
             folder = Path(tempfile.mkdtemp(prefix="batchfit-ui-"))
             files = output_files(words, folder)
-            for item in run([*words[:-1], *files.flags, "--json"]):
+            for item in run([*words[:-1], *files.flags, "--json"],
+                            running=(running, request.session_hash)):
                 if isinstance(item, Answer):
                     # done: the command that answered, not its last progress line
                     status = f"done: {command}" if item.exit_code == 0 else item.message
@@ -269,7 +309,14 @@ def build_app() -> Any:
         inputs = [model, model_file, factory, gpu, memory, mode, batch, precision, optimizer,
                   seq_len, input_shape, lora, quant, world, strategy]
         event = go.click(answer_request, inputs, [status, answer, details, report, snapshot])
-        stop.click(None, None, None, cancels=[event])
+        def cancel(request: gr.Request) -> None:
+            running.stop(request.session_hash)
+
+        # Gradio finds the request parameter by its annotation, resolved at run time; this
+        # module's annotations are strings that name a local import, so give the class
+        for handler in (answer_request, cancel):
+            handler.__annotations__["request"] = gr.Request
+        stop.click(cancel, None, None, cancels=[event])
     return page
 
 
