@@ -483,8 +483,23 @@ def test_hf_unknown_name_suggests_and_explains():
     with pytest.raises(ModelSpecError) as exc_info:
         resolve_model("hf:meta-llama/Llama-2-7b-hg")
     message = assert_one_line(exc_info)
-    assert "unknown hf model 'meta-llama/Llama-2-7b-hg': did you mean 'llama-2-7b-hf'?" in message
+    # the Hub id the user can paste, with its organisation and casing
+    assert ("unknown hf model 'meta-llama/Llama-2-7b-hg': did you mean "
+            "'hf:meta-llama/Llama-2-7b-hf'?") in message
     assert "put its config.json in a local directory and pass hf:path/to/dir" in message
+
+
+@pytest.mark.parametrize("name", ["HuggingFaceTB/SmolLM2-1.7B",  # another organisation
+                                  "Qwen/Qwen2.5-1.5B",  # the table has 0.5B: another size
+                                  "huggyllama/llama-7b"])  # meta-llama's is not this one
+def test_hf_unknown_hub_id_suggests_no_other_model(name, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ModelSpecError) as exc_info:
+        resolve_model(f"hf:{name}")
+    message = assert_one_line(exc_info)
+    assert f"unknown hf model '{name}'" in message and "did you mean" not in message
+    assert f"hf download {name} config.json" in message  # how to fix it instead
 
 
 def test_hf_input_shape_is_rejected_for_token_models():

@@ -61,6 +61,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -417,8 +418,30 @@ def _hf_source(name: str) -> _HFSource | None:
     return None
 
 
+def _hf_suggestion(name: str) -> str:
+    """``: did you mean 'hf:ORG/NAME'?`` for a table model that ``name`` looks like a typo
+    of, or an empty string.
+
+    A Hub id is compared whole (the organisation too) with the table's Hub ids, closely
+    (ratio 0.8), and only with ids that name the same sizes ("1.5b", "7b"): a model of
+    another size or another organisation is another model, not a spelling of this one."""
+    lowered = name.lower()
+    candidates = [n for n in hf_config_names() if ("/" in n) == ("/" in lowered)]
+    sizes = set(_SIZE.findall(lowered))
+    candidates = [n for n in candidates if set(_SIZE.findall(n)) == sizes]
+    match = difflib.get_close_matches(lowered, candidates, n=1, cutoff=0.8)
+    if not match:
+        return ""
+    entry = find_hf_config(match[0])
+    return f": did you mean 'hf:{entry.hub_name if '/' in match[0] else match[0]}'?"
+
+
+#: A model size in its name: "7b", "1.5b", "350m" (not "v0.1" or "3.1").
+_SIZE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?[bm])(?![\w.])")
+
+
 def _unknown_hf_error(name: str) -> ModelSpecError:
-    suggestion = _suggest(name.rsplit("/", 1)[-1], hf_config_names())
+    suggestion = _hf_suggestion(name)
     where = (f"; {hub.offline_hint(name)}" if hub.is_hub_id(name) else
              " (built-in configs: batchfit.models.hf_configs; for another model, put its "
              "config.json in a local directory and pass hf:path/to/dir)")
