@@ -104,11 +104,11 @@ class MaxBatchResult:
 
     @property
     def step_bytes_at_max(self) -> int:
-        return _allocator_bytes(self.estimate_at_max)
+        return budget_bytes_needed(self.estimate_at_max)
 
     @property
     def step_bytes_at_next(self) -> int | None:
-        return None if self.estimate_at_next is None else _allocator_bytes(self.estimate_at_next)
+        return None if self.estimate_at_next is None else budget_bytes_needed(self.estimate_at_next)
 
     @property
     def next_batch_size(self) -> int | None:
@@ -202,7 +202,7 @@ def _fixed_bytes(profile: DeviceProfile) -> int:
     return profile.outside_allocator_bytes + profile.workspace_bytes
 
 
-def _allocator_bytes(est: MemoryEstimate) -> int:
+def budget_bytes_needed(est: MemoryEstimate) -> int:
     """What the step needs from the budget: reserved memory less the fixed workspace."""
     device = est.device
     if device.is_cuda:
@@ -303,7 +303,7 @@ def _max_batch(model: Any, inputs: Any, config: TrainConfig, profile: DeviceProf
 
     def peak(batch_size: int) -> int:
         prefetch(batch_size)
-        return _allocator_bytes(estimates[batch_size])
+        return budget_bytes_needed(estimates[batch_size])
 
     with pool:
         answer = _answer_from_interpolation(peak, prefetch, traces, profile, budget,
@@ -331,7 +331,7 @@ def _max_batch(model: Any, inputs: Any, config: TrainConfig, profile: DeviceProf
         total_bytes_at_next=at_next.total_bytes if at_next else None,
         traces=len(estimates), binding_constraint=constraint,
         estimate_at_max=at_max, estimate_at_next=at_next,
-        evaluated=tuple((b, _allocator_bytes(e)) for b, e in estimates.items()),
+        evaluated=tuple((b, budget_bytes_needed(e)) for b, e in estimates.items()),
         device=profile, note=note, stack=config.resolved_stack)
 
 
@@ -541,7 +541,7 @@ def max_seq_len(model: Any, inputs: Any, batch_size: int, config: TrainConfig | 
 
     def peak(seq_len: int) -> int:
         prefetch(seq_len)
-        return _allocator_bytes(totals[seq_len])
+        return budget_bytes_needed(totals[seq_len])
 
     with pool:
         if profile.is_cuda:

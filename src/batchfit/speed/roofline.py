@@ -205,13 +205,13 @@ def _peak_interpolator(limit: Any, traces: dict[int, Any]) -> Any:
     import numpy as np
 
     from batchfit.answers.estimate import summarize
-    from batchfit.answers.maxbatch import _allocator_bytes
+    from batchfit.answers.maxbatch import budget_bytes_needed
 
     device = limit.device
     extra = device.context_bytes + device.workspace_bytes if device.is_cuda else 0
     measured = dict(limit.evaluated)
     for batch_size, traced in traces.items():
-        measured.setdefault(batch_size, _allocator_bytes(summarize(traced, device,
+        measured.setdefault(batch_size, budget_bytes_needed(summarize(traced, device,
                                                                    first_step=False)))
     pairs = sorted(measured.items())
     xs = np.array([b for b, _ in pairs], dtype=np.float64)
