@@ -712,7 +712,7 @@ def test_layout_tells_two_allocators_apart_by_what_later_requests_would_see(mode
     # whatever the owners' handles: a 30 MiB block holds x, 10 MiB are free after it.
     first, second = model(), model()
     for allocator in (first, second):
-        held = allocator.malloc(30 * MiB)
+        allocator.malloc(30 * MiB)  # held: its handle is read from _live below
         allocator.free(allocator.malloc(10 * MiB))
     held_first = next(iter(first._live))
     held_second = next(iter(second._live))
