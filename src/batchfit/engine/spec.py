@@ -292,6 +292,10 @@ class TrainConfig:
         transformers_version: ``"4.46"``...: the causal-LM loss as that transformers computes
             it (:mod:`batchfit.engine.workloads.hfloss`: before 4.49 it copies the float32
             logits); None: the installed transformers'.
+        bitsandbytes_version: ``"0.41.1"``...: the 4-bit matmul as that bitsandbytes runs
+            it (before 0.43.2 each 4-bit layer keeps its input for backward; before 0.50.0
+            its forward always dequantizes the whole weight; see
+            :mod:`batchfit.engine.workloads.runtime`); None: the installed bitsandbytes'.
         recipe: a fine-tuning framework whose defaults fill the fields left None (kbit
             preparation, adapter dtype, precision, checkpointing, loss, optimizer):
             ``peft``, ``litgpt``, ``torchtune``, ``unsloth`` or ``axolotl``
@@ -317,6 +321,7 @@ class TrainConfig:
     use_reentrant: bool = False
     packing: bool = False
     transformers_version: Any = None
+    bitsandbytes_version: Any = None
     inference_mode: bool = False
     alloc_conf: Any = None
     recipe: Any = None
@@ -352,6 +357,15 @@ class TrainConfig:
                 raise InvalidInputError(
                     f"{option('transformers_version')} models transformers' own loss; "
                     f"{option('loss', self.loss.value)} replaces it: give one of them")
+        if self.bitsandbytes_version is not None:
+            from batchfit.engine.workloads.runtime import parse_bitsandbytes_version
+
+            object.__setattr__(self, "bitsandbytes_version",
+                               parse_bitsandbytes_version(self.bitsandbytes_version))
+            if self.quant is None or not self.quant.method.is_4bit:
+                raise InvalidInputError(
+                    f"{option('bitsandbytes_version')} models bitsandbytes' 4-bit matmul: add "
+                    f"{option('quant', 'nf4')} (or fp4, nf4-dq, fp4-dq)")
         if self.inference_mode and self.mode is Mode.TRAIN:
             raise InvalidInputError(f"{option('inference_mode', True)} goes with "
                                     f"{option('mode', 'infer')}: a training step cannot run "
