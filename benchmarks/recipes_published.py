@@ -1,9 +1,10 @@
 """batchfit with ``--recipe`` against published LLM fine-tuning memory (issue 36, item 5).
 
 Each row of ``benchmarks/data/recipes_published.csv`` is run as a user would: the CLI words
-of the source's stated settings and the preset of its framework. The split was fixed in the
-CSV before any blind row was scored: ``dev`` rows were used while developing, ``blind`` rows
-are scored once (``--set blind``).
+of the source's stated settings and the preset of its framework (with ``--quant``, the
+bitsandbytes the source states, ``bnb 0.41.1``, as ``--bitsandbytes-version``). The split
+was fixed in the CSV before any blind row was scored: ``dev`` rows were used while
+developing, ``blind`` rows are scored once (``--set blind``).
 
 Metric: litgpt prints ``torch.cuda.max_memory_allocated()`` over the whole run, so a figure is
 compared with batchfit's largest allocated peak over the first and the steady step
@@ -20,6 +21,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +36,9 @@ def command(row: dict[str, str]) -> list[str]:
              "-b", row["batch_size"], "--seq-len", row["seq_len"], "--gpu", row["gpu"], "--json"]
     if row["quant"]:
         words += ["--quant", row["quant"]]
+        stated = re.search(r"\bbnb (\d+\.\d+(?:\.\d+)?)", row["source"])
+        if stated:  # the bitsandbytes the source states (its 4-bit matmul changed since)
+            words += ["--bitsandbytes-version", stated.group(1)]
     if row["precision"]:
         words += ["--precision", row["precision"]]
     return words

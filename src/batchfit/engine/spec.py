@@ -358,7 +358,7 @@ class TrainConfig:
                     f"{option('transformers_version')} models transformers' own loss; "
                     f"{option('loss', self.loss.value)} replaces it: give one of them")
         if self.bitsandbytes_version is not None:
-            from batchfit.engine.workloads.runtime import parse_bitsandbytes_version
+            from batchfit.engine.workloads.spec import parse_bitsandbytes_version
 
             object.__setattr__(self, "bitsandbytes_version",
                                parse_bitsandbytes_version(self.bitsandbytes_version))

@@ -66,8 +66,6 @@ GEMM_4BIT_CUSTOM_MAX_M = 1536
 MATMUL_4BIT_DROPS_INPUT = (0, 43, 2)
 #: The first bitsandbytes whose ``MatMul4Bit.forward`` calls the ``gemm_4bit`` op.
 MATMUL_4BIT_GEMM_OP = (0, 50, 0)
-#: The first bitsandbytes with 4-bit weights (``Linear4bit``, the QLoRA release).
-FIRST_4BIT = (0, 39, 0)
 
 
 @contextlib.contextmanager
@@ -147,28 +145,6 @@ def _cuda_dequant_linear_fallback(A, B, shapeB, absmax, blocksize, quant_type, b
     out = torch.nn.functional.linear(A, weight, bias)
     del absmax_dq, absmax, weight
     return out
-
-
-def parse_bitsandbytes_version(text: str | tuple[int, ...] | None) -> tuple[int, int, int] | None:
-    """``"0.41.1"``, ``"0.43"``, ``"v0.45.0"`` -> ``(0, 41, 1)``...; None stays None (the
-    installed one)."""
-    if text is None:
-        return None
-    parts = [str(p) for p in text] if isinstance(text, tuple) else \
-        str(text).strip().lstrip("vV").split("+")[0].split(".")
-    try:
-        numbers = tuple(int(p) for p in parts[:3])
-    except ValueError:
-        numbers = ()
-    if len(numbers) < 2:
-        raise InvalidInputError(f"malformed {option('bitsandbytes_version')} {text!r}: write it "
-                                "like 0.41.1 or 0.45")
-    version = (*numbers, 0)[:3]
-    if version < FIRST_4BIT:
-        raise InvalidInputError(
-            f"{option('bitsandbytes_version', text)}: bitsandbytes has 4-bit weights from "
-            "0.39.0 on")
-    return version  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
