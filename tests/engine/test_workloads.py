@@ -365,3 +365,35 @@ def test_bitsandbytes_before_050_always_dequantizes_in_forward():
     assert H * I * 2 in weights["0.49.2"]  # the bf16 dequantized weight
     with pytest.raises(InvalidInputError, match="add quant='nf4'"):
         TrainConfig(lora="r=8", bitsandbytes_version="0.41.1")
+
+
+def _live_when_forward_begins(trace) -> int:
+    """Live bytes when the steady step's forward begins (what the previous step left)."""
+    live: dict[int, int] = {}
+    for e in trace.steady_events:
+        if e.phase is Phase.FORWARD:
+            break
+        if e.kind is EventKind.ALLOC:
+            live[e.key] = e.nbytes
+        elif e.kind is EventKind.FREE:
+            live.pop(e.key, None)
+    return sum(live.values())
+
+
+def test_a_held_loss_keeps_old_bitsandbytes_inputs_into_the_next_step_by_hand():
+    # litgpt's loop (finetune/lora.py) keeps `loss` until the next step's loss replaces it;
+    # the graph behind it keeps what its nodes hold outside save_for_backward, which
+    # backward does not release: bitsandbytes < 0.43.2's ctx.tensors = (A, B). So the
+    # previous step's 4-bit inputs are alive when the next forward begins: the per-layer
+    # inputs of the test above, plus o_proj's (a view of the attention output, which
+    # attention released in backward), H per token in every layer
+    b, s = 2, 64
+    config = dict(recipe="litgpt", lora="r=8,alpha=16,dropout=0.05,targets=q_proj+v_proj",
+                  quant="nf4")
+    left = (LAYERS * (H + H + H + I) - H) * b * s * 2
+    live = {(v, held): _live_when_forward_begins(trace_step(tiny_llama, SPEC, b, TrainConfig(
+        **config, bitsandbytes_version=v, holds_loss=held), _cpu()))
+        for v in (None, "0.41.1") for held in (None, False)}
+    assert TrainConfig(**config).holds_loss is True  # the litgpt recipe's loop
+    assert live[("0.41.1", None)] - live[(None, None)] == left
+    assert live[("0.41.1", False)] == live[(None, False)]  # a loop that drops its loss
