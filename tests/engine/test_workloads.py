@@ -381,7 +381,8 @@ def _live_when_forward_begins(trace) -> int:
 
 
 def test_a_held_loss_keeps_old_bitsandbytes_inputs_into_the_next_step_by_hand():
-    # litgpt's loop (finetune/lora.py) keeps `loss` until the next step's loss replaces it;
+    # litgpt's loop (finetune/lora.py) keeps `logits` and `loss` until the next step's
+    # replace them;
     # the graph behind it keeps what its nodes hold outside save_for_backward, which
     # backward does not release: bitsandbytes < 0.43.2's ctx.tensors = (A, B). So the
     # previous step's 4-bit inputs are alive when the next forward begins: the per-layer

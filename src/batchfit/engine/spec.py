@@ -259,11 +259,11 @@ class TrainConfig:
             gradients in place (torch < 2.0 ``zero_grad()``, HF Trainer of that era):
             gradients then stay allocated through forward and backward. None (default):
             what ``zero_grad()`` does on the stack (True from torch 2.0).
-        holds_loss: the loop keeps the last step's loss (a Python variable assigned each
-            iteration, as litgpt's) until the next step's loss replaces it, so the autograd
-            graph behind it, and what its nodes keep beyond backward (an old
-            bitsandbytes' 4-bit inputs), lives through the next forward. None: the
-            recipe's (litgpt: True), else False.
+        holds_loss: the loop keeps the last step's loss or outputs (Python variables
+            assigned each iteration, as litgpt's ``logits`` and ``loss``) until the next
+            step's replace them, so the autograd graph behind them, and what its nodes
+            keep beyond backward (an old bitsandbytes' 4-bit inputs), lives through the
+            next forward. None: the recipe's (litgpt: True), else False.
         zero_grad_after_forward: the loop calls ``zero_grad`` between the loss and
             ``backward``, as Lightning's automatic optimization does (``Closure.closure``
             in lightning/pytorch/loops/optimization/automatic.py: ``training_step``, then

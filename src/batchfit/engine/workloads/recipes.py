@@ -17,9 +17,10 @@ commit named in ``docs/guides/llm-recipes.md``; the file and behaviour are cited
   context); no activation checkpointing; the loss is ``chunked_cross_entropy``
   (litgpt/utils.py) on the bf16 logits, 128 tokens at a time, with no float32 upcast; with
   quantization the optimizer is ``bnb.optim.PagedAdamW`` (``instantiate_bnb_optimizer`` in
-  litgpt/utils.py), AdamW otherwise. Its loop assigns ``loss = chunked_cross_entropy(...)``
-  each iteration and logs it later, so the last step's loss, and the autograd graph behind
-  it, lives until the next step's loss replaces it (``holds_loss``).
+  litgpt/utils.py), AdamW otherwise. Its loop assigns ``logits = model(...)`` and
+  ``loss = chunked_cross_entropy(...)`` each iteration, so the last step's outputs, and the
+  autograd graph behind them, live until the next step's forward replaces them
+  (``holds_loss``; batchfit replaces them after the next loss, a few MB later).
 * ``torchtune``: ``tune run lora_finetune_single_device --config llama2/7B_qlora_single_device``
   (recipes/configs/llama2/7B_qlora_single_device.yaml): ``dtype: bf16`` for the whole model,
   adapters included (``self.lora_a = nn.Linear(...)`` in torchtune/modules/peft/lora.py,
