@@ -53,6 +53,12 @@ def conv_file(tmp_path):
     (["--lora", "r=8", "--use-reentrant"], "add --checkpointing"),
     (["--lora", "r=8", "--transformers-version", "4.x"], "malformed --transformers-version"),
     (["--lora", "r=8", "--transformers-version", "4.20"], "from 4.28"),
+    (["--lora", "r=8", "--bitsandbytes-version", "0.41.1"], "add --quant nf4"),
+    (["--lora", "r=8", "--quant", "int8", "--bitsandbytes-version", "0.41.1"],
+     "add --quant nf4"),
+    (["--lora", "r=8", "--quant", "nf4", "--bitsandbytes-version", "new"],
+     "malformed --bitsandbytes-version 'new'"),
+    (["--lora", "r=8", "--quant", "nf4", "--bitsandbytes-version", "0.38.1"], "from 0.39.0"),
 ])
 def test_bad_llm_input_gets_one_line(extra, fragment):
     result = invoke("estimate", *TINY, "-b", "2", *extra)
@@ -114,3 +120,17 @@ def test_transformers_version_changes_the_loss():
         assert result.exit_code == 0, result.output
         runs[version] = json.loads(result.stdout)["peak_allocated_bytes"]
     assert runs["4.46"] > runs[None]
+
+
+def test_bitsandbytes_version_keeps_the_4bit_inputs():
+    # bitsandbytes < 0.43.2 keeps each 4-bit layer's input for backward
+    # (engine/workloads/runtime.py): the step's activations grow, the weights do not
+    runs = {}
+    for version in (None, "0.41.1"):
+        extra = ["--bitsandbytes-version", version] if version else []
+        result = invoke("estimate", *TINY, "-b", "4", "--lora", "r=8", "--quant", "nf4",
+                        "--json", *extra)
+        assert result.exit_code == 0, result.output
+        runs[version] = json.loads(result.stdout)["by_category"]
+    assert runs["0.41.1"]["activations"] > runs[None]["activations"]
+    assert runs["0.41.1"]["parameters"] == runs[None]["parameters"]

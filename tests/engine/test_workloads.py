@@ -313,3 +313,88 @@ def test_transformers_version_loss_by_hand():
         TrainConfig(transformers_version="four")
     with pytest.raises(InvalidInputError, match="loss='chunked' replaces it"):
         TrainConfig(transformers_version="4.46", loss="chunked")
+
+
+def _live_at_end_of_forward(trace) -> int:
+    """Live bytes when the steady step's backward begins."""
+    live: dict[int, int] = {}
+    for e in trace.steady_events:
+        if e.phase is Phase.BACKWARD:
+            break
+        if e.kind is EventKind.ALLOC:
+            live[e.key] = e.nbytes
+        elif e.kind is EventKind.FREE:
+            live.pop(e.key, None)
+    return sum(live.values())
+
+
+def test_old_bitsandbytes_keeps_each_4bit_input_by_hand():
+    # bitsandbytes < 0.43.2, MatMul4Bit.forward: ctx.tensors = (A, B) when A or B needs a
+    # gradient (bitsandbytes/autograd/_functions.py; #1270 saves (None, B)). litgpt's QLoRA
+    # (bf16, LoRA with dropout on q and v, no checkpointing): what each layer then keeps
+    # that nothing else holds at the end of forward, B x S tokens, 2 bytes each:
+    #   the q/k/v input (input_layernorm's output, H): LoRA saves its dropout's output, not
+    #     it; in layer 0 it needs no gradient (the frozen embedding's), so it is not kept
+    #   the gate/up input (post_attention_layernorm's output, H)
+    #   the down input (act(gate) * up, I): the mul saves its operands, not its product
+    # o_proj's input is a view of the attention output, which attention saves anyway.
+    b, s = 2, 64
+    config = dict(recipe="litgpt", lora="r=8,alpha=16,dropout=0.05,targets=q_proj+v_proj",
+                  quant="nf4")
+    kept = (LAYERS * (H + H + I) - H) * b * s * 2
+    for device in (_cpu(), _gpu()):
+        live = {v: _live_at_end_of_forward(trace_step(tiny_llama, SPEC, b, TrainConfig(
+            **config, bitsandbytes_version=v), device)) for v in (None, "0.41.1", "0.43.2")}
+        assert live["0.41.1"] - live[None] == kept
+        assert live["0.43.2"] == live[None]
+
+
+def test_bitsandbytes_before_050_always_dequantizes_in_forward():
+    # bitsandbytes < 0.50.0, MatMul4Bit.forward: F.linear(A, F.dequantize_4bit(B, state)...)
+    # at any shape; one row of tokens (M = 2) takes the fused cgemm_4bit from 0.50.0 on
+    one = {k: TensorSpec((2,), "int64", 0, V) for k in SPEC}
+    down = "base_model.model.model.layers.0.mlp.down_proj.base_layer"
+    weights = {}
+    for version in (None, "0.49.2"):
+        config = TrainConfig(lora="r=8,targets=all-linear", quant="nf4", precision="amp-bf16",
+                             bitsandbytes_version=version)
+        trace = trace_step(tiny_llama, one, 1, config, _gpu())
+        weights[version] = [e.nbytes for e in trace.steady_events if e.kind is EventKind.ALLOC
+                            and e.module == down and e.phase is Phase.FORWARD]
+    assert H * I * 2 not in weights[None]
+    assert H * I * 2 in weights["0.49.2"]  # the bf16 dequantized weight
+    with pytest.raises(InvalidInputError, match="add quant='nf4'"):
+        TrainConfig(lora="r=8", bitsandbytes_version="0.41.1")
+
+
+def _live_when_forward_begins(trace) -> int:
+    """Live bytes when the steady step's forward begins (what the previous step left)."""
+    live: dict[int, int] = {}
+    for e in trace.steady_events:
+        if e.phase is Phase.FORWARD:
+            break
+        if e.kind is EventKind.ALLOC:
+            live[e.key] = e.nbytes
+        elif e.kind is EventKind.FREE:
+            live.pop(e.key, None)
+    return sum(live.values())
+
+
+def test_a_held_loss_keeps_old_bitsandbytes_inputs_into_the_next_step_by_hand():
+    # litgpt's loop (finetune/lora.py) keeps `logits` and `loss` until the next step's
+    # replace them;
+    # the graph behind it keeps what its nodes hold outside save_for_backward, which
+    # backward does not release: bitsandbytes < 0.43.2's ctx.tensors = (A, B). So the
+    # previous step's 4-bit inputs are alive when the next forward begins: the per-layer
+    # inputs of the test above, plus o_proj's (a view of the attention output, which
+    # attention released in backward), H per token in every layer
+    b, s = 2, 64
+    config = dict(recipe="litgpt", lora="r=8,alpha=16,dropout=0.05,targets=q_proj+v_proj",
+                  quant="nf4")
+    left = (LAYERS * (H + H + H + I) - H) * b * s * 2
+    live = {(v, held): _live_when_forward_begins(trace_step(tiny_llama, SPEC, b, TrainConfig(
+        **config, bitsandbytes_version=v, holds_loss=held), _cpu()))
+        for v in (None, "0.41.1") for held in (None, False)}
+    assert TrainConfig(**config).holds_loss is True  # the litgpt recipe's loop
+    assert live[("0.41.1", None)] - live[(None, None)] == left
+    assert live[("0.41.1", False)] == live[(None, False)]  # a loop that drops its loss

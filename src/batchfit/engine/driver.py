@@ -97,8 +97,10 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
     float_dtype = None if precision.weight_dtype == "float32" else torch_dtype(precision.weight_dtype)
     training = config.mode is Mode.TRAIN
     stack = config.resolved_stack
-    # gradients live into the next step's forward (zeroed in place, or zeroed after it)
-    grads_survive = not config.zero_grad_to_none or config.zero_grad_after_forward
+    # the previous step lives into the next step's forward: its gradients (zeroed in place,
+    # or zeroed after it), or its loss and the graph behind it (a loop that holds the loss)
+    step_survives = (not config.zero_grad_to_none or config.zero_grad_after_forward
+                     or bool(config.holds_loss))
     fake_mode = ti.new_fake_mode()
     preparer = module_preparer(model, base, owned, config, device, reuse, transform)
     session = transform.session() if transform is not None else contextlib.nullcontext()
@@ -143,7 +145,7 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
                     observing(observers):
                 if transform is not None:
                     transform.attach(runner, tracer)
-                whole_steps = training and (grads_survive or (
+                whole_steps = training and (step_survives or (
                     transform is not None and transform.whole_steps))
                 if transform is not None and whole_steps:
                     for index in range(2):  # the first creates state, the second is steady
@@ -152,8 +154,8 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
                         runner.train_step()
                         _retag_optimizer_state(runner, tracer)
                         marks.append(len(tracer.events))
-                elif training and grads_survive:
-                    # gradients survive into the next step: trace two whole steps
+                elif training and step_survives:
+                    # the previous step survives into the next: trace two whole steps
                     mark_steady(observers, False)
                     runner.forward_backward()
                     runner.optimizer_step()

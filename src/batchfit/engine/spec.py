@@ -259,6 +259,11 @@ class TrainConfig:
             gradients in place (torch < 2.0 ``zero_grad()``, HF Trainer of that era):
             gradients then stay allocated through forward and backward. None (default):
             what ``zero_grad()`` does on the stack (True from torch 2.0).
+        holds_loss: the loop keeps the last step's loss or outputs (Python variables
+            assigned each iteration, as litgpt's ``logits`` and ``loss``) until the next
+            step's replace them, so the autograd graph behind them, and what its nodes
+            keep beyond backward (an old bitsandbytes' 4-bit inputs), lives through the
+            next forward. None: the recipe's (litgpt: True), else False.
         zero_grad_after_forward: the loop calls ``zero_grad`` between the loss and
             ``backward``, as Lightning's automatic optimization does (``Closure.closure``
             in lightning/pytorch/loops/optimization/automatic.py: ``training_step``, then
@@ -292,6 +297,10 @@ class TrainConfig:
         transformers_version: ``"4.46"``...: the causal-LM loss as that transformers computes
             it (:mod:`batchfit.engine.workloads.hfloss`: before 4.49 it copies the float32
             logits); None: the installed transformers'.
+        bitsandbytes_version: ``"0.41.1"``...: the 4-bit matmul as that bitsandbytes runs
+            it (before 0.43.2 each 4-bit layer keeps its input for backward; before 0.50.0
+            its forward always dequantizes the whole weight; see
+            :mod:`batchfit.engine.workloads.runtime`); None: the installed bitsandbytes'.
         recipe: a fine-tuning framework whose defaults fill the fields left None (kbit
             preparation, adapter dtype, precision, checkpointing, loss, optimizer):
             ``peft``, ``litgpt``, ``torchtune``, ``unsloth`` or ``axolotl``
@@ -308,6 +317,7 @@ class TrainConfig:
     loss_fn: Any = None
     grads_to_none: bool | None = None
     zero_grad_after_forward: bool = False
+    holds_loss: bool | None = None
     stack: Any = None
     cudnn_benchmark: bool = False
     lora: Any = None
@@ -317,6 +327,7 @@ class TrainConfig:
     use_reentrant: bool = False
     packing: bool = False
     transformers_version: Any = None
+    bitsandbytes_version: Any = None
     inference_mode: bool = False
     alloc_conf: Any = None
     recipe: Any = None
@@ -352,6 +363,15 @@ class TrainConfig:
                 raise InvalidInputError(
                     f"{option('transformers_version')} models transformers' own loss; "
                     f"{option('loss', self.loss.value)} replaces it: give one of them")
+        if self.bitsandbytes_version is not None:
+            from batchfit.engine.workloads.spec import parse_bitsandbytes_version
+
+            object.__setattr__(self, "bitsandbytes_version",
+                               parse_bitsandbytes_version(self.bitsandbytes_version))
+            if self.quant is None or not self.quant.method.is_4bit:
+                raise InvalidInputError(
+                    f"{option('bitsandbytes_version')} models bitsandbytes' 4-bit matmul: add "
+                    f"{option('quant', 'nf4')} (or fp4, nf4-dq, fp4-dq)")
         if self.inference_mode and self.mode is Mode.TRAIN:
             raise InvalidInputError(f"{option('inference_mode', True)} goes with "
                                     f"{option('mode', 'infer')}: a training step cannot run "
@@ -382,6 +402,7 @@ class TrainConfig:
             "checkpointing": False if found is None else
             (found.checkpointing_quant if quant is not None else found.checkpointing),
             "loss": "standard" if found is None else found.loss,
+            "holds_loss": False if found is None else found.holds_loss,
             "optimizer": "adamw" if found is None else
             (found.optimizer_quant if quant is not None else found.optimizer),
         }

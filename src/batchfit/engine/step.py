@@ -277,6 +277,7 @@ class StepRunner:
     scaler: _GradScalerSteps | None = None
     engine: Any = None
     traced: bool = False
+    held_loss: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.config.mode is Mode.TRAIN:
@@ -318,7 +319,14 @@ class StepRunner:
             self.optimizer.zero_grad(set_to_none=self.config.zero_grad_to_none)
 
     def forward_backward(self) -> None:
-        self.backward(self.forward_loss())
+        self.backward(self._held(self.forward_loss()))
+
+    def _held(self, loss: torch.Tensor) -> torch.Tensor:
+        """With ``config.holds_loss``, ``loss`` replaces (and so frees) the previous step's
+        only now, after this forward, as a loop variable does."""
+        if self.config.holds_loss:
+            self.held_loss = loss
+        return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         self.on_phase("backward")
@@ -347,7 +355,7 @@ class StepRunner:
         ``zero_grad_after_forward``, the first micro-batch's forward before ``zero_grad``)."""
         micro_batches = self.config.grad_accum_steps
         if self.config.zero_grad_after_forward:
-            loss = self.forward_loss()
+            loss = self._held(self.forward_loss())
             self.zero_grad()
             self.backward(loss)
             micro_batches -= 1

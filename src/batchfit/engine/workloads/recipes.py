@@ -17,7 +17,10 @@ commit named in ``docs/guides/llm-recipes.md``; the file and behaviour are cited
   context); no activation checkpointing; the loss is ``chunked_cross_entropy``
   (litgpt/utils.py) on the bf16 logits, 128 tokens at a time, with no float32 upcast; with
   quantization the optimizer is ``bnb.optim.PagedAdamW`` (``instantiate_bnb_optimizer`` in
-  litgpt/utils.py), AdamW otherwise.
+  litgpt/utils.py), AdamW otherwise. Its loop assigns ``logits = model(...)`` and
+  ``loss = chunked_cross_entropy(...)`` each iteration, so the last step's outputs, and the
+  autograd graph behind them, live until the next step's forward replaces them
+  (``holds_loss``; batchfit replaces them after the next loss, a few MB later).
 * ``torchtune``: ``tune run lora_finetune_single_device --config llama2/7B_qlora_single_device``
   (recipes/configs/llama2/7B_qlora_single_device.yaml): ``dtype: bf16`` for the whole model,
   adapters included (``self.lora_a = nn.Linear(...)`` in torchtune/modules/peft/lora.py,
@@ -81,6 +84,7 @@ class RecipeDefaults:
     optimizer: str
     optimizer_quant: str
     compile_note: str | None = None
+    holds_loss: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"recipe": self.recipe.value, "kbit_prepare": self.kbit_prepare,
@@ -88,7 +92,7 @@ class RecipeDefaults:
                 "precision_quant": self.precision_quant, "checkpointing": self.checkpointing,
                 "checkpointing_quant": self.checkpointing_quant, "loss": self.loss,
                 "optimizer": self.optimizer, "optimizer_quant": self.optimizer_quant,
-                "compile_note": self.compile_note}
+                "compile_note": self.compile_note, "holds_loss": self.holds_loss}
 
 
 RECIPES: dict[Recipe, RecipeDefaults] = {
@@ -99,7 +103,8 @@ RECIPES: dict[Recipe, RecipeDefaults] = {
     Recipe.LITGPT: RecipeDefaults(
         Recipe.LITGPT, kbit_prepare=False, adapter_dtype="bf16", precision="bf16",
         precision_quant="bf16", checkpointing=False, checkpointing_quant=False,
-        loss="native", optimizer="adamw", optimizer_quant="paged-adamw32bit"),
+        loss="native", optimizer="adamw", optimizer_quant="paged-adamw32bit",
+        holds_loss=True),
     Recipe.TORCHTUNE: RecipeDefaults(
         Recipe.TORCHTUNE, kbit_prepare=False, adapter_dtype="bf16", precision="bf16",
         precision_quant="bf16", checkpointing=True, checkpointing_quant=True,

@@ -18,6 +18,20 @@ bitsandbytes 4-bit matmul (``bitsandbytes::gemm_4bit``)
     transient dequantized weight is in the timeline. Backward dequantizes through
     ``F.dequantize_4bit``, whose ops the trace sees anyway.
 
+bitsandbytes' version (``TrainConfig.bitsandbytes_version``; None: the installed one)
+    The trace runs the installed ``MatMul4Bit``; two of its changes move memory, and an
+    older target version gets back what it did (``bitsandbytes/autograd/_functions.py``,
+    ``MatMul4Bit.forward``):
+
+    * before 0.43.2 forward kept the layer's input for backward, ``ctx.tensors = (A, B)``,
+      though backward reads only ``B`` (it computes no weight gradient); #1270 (commit
+      9e75374, "fix QLoRA mem bug: delete useless buffered activation") saves
+      ``(None, B)``. So every 4-bit layer whose input needs a gradient held that input
+      (``B x S x in_features`` in the compute dtype) from its forward to its backward.
+    * before 0.50.0 forward was ``F.linear(A, F.dequantize_4bit(B, state).to(A.dtype).t())``
+      whatever the shape: the whole weight dequantized on every call. 0.50.0 calls
+      ``gemm_4bit``, whose CUDA dispatch may pick the fused kernel (above).
+
 bitsandbytes LLM.int8 (``Linear8bitLt``), CUDA targets
     ``bnb.matmul`` picks ``MatMul8bitFp`` for a CPU tensor, which a fake trace has, and
     ``MatMul8bitLt`` on a GPU: the trace calls ``MatMul8bitLt``. Its outlier detection
@@ -48,6 +62,10 @@ from batchfit.errors import InvalidInputError, option
 
 #: bitsandbytes' CUDA dispatch: above this many rows the fallback always runs.
 GEMM_4BIT_CUSTOM_MAX_M = 1536
+#: The first bitsandbytes whose ``MatMul4Bit`` does not keep its input (#1270).
+MATMUL_4BIT_DROPS_INPUT = (0, 43, 2)
+#: The first bitsandbytes whose ``MatMul4Bit.forward`` calls the ``gemm_4bit`` op.
+MATMUL_4BIT_GEMM_OP = (0, 50, 0)
 
 
 @contextlib.contextmanager
@@ -61,6 +79,9 @@ def workload_runtime(config: TrainConfig, device: Target) -> Iterator[None]:
             register_bnb_decompositions()
             if quant.method is QuantMethod.INT8 and device is not None and device.is_cuda:
                 stack.enter_context(_int8_on_cuda())
+            version = config.bitsandbytes_version
+            if quant.method.is_4bit and version is not None:
+                stack.enter_context(_matmul_4bit_of(version, device))
         if config.loss is LossKind.CHUNKED:
             stack.enter_context(_liger_without_launches())
         yield
@@ -124,6 +145,37 @@ def _cuda_dequant_linear_fallback(A, B, shapeB, absmax, blocksize, quant_type, b
     out = torch.nn.functional.linear(A, weight, bias)
     del absmax_dq, absmax, weight
     return out
+
+
+@contextlib.contextmanager
+def _matmul_4bit_of(version: tuple[int, int, int], device: Target) -> Iterator[None]:
+    """``MatMul4Bit`` as bitsandbytes ``version`` runs it (see the module docstring)."""
+    from bitsandbytes.autograd._functions import MatMul4Bit
+
+    saved_forward = MatMul4Bit.__dict__["forward"]
+    forward = saved_forward.__func__
+    keeps_input = version < MATMUL_4BIT_DROPS_INPUT
+
+    def old_forward(ctx: Any, A: torch.Tensor, B: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        output = forward(ctx, A, B, *args, **kwargs)
+        if keeps_input and not ctx.is_empty and ctx.tensors[1] is not None:
+            ctx.tensors = (A, ctx.tensors[1])  # < 0.43.2: ``ctx.tensors = (A, B)``
+        return output
+
+    ops = {}
+    if version < MATMUL_4BIT_GEMM_OP and device is not None and device.is_cuda:
+        ops[torch.ops.bitsandbytes.gemm_4bit.default] = _gemm_4bit_dequantized
+    try:
+        MatMul4Bit.forward = staticmethod(old_forward)
+        with _decomposed_as(ops):
+            yield
+    finally:
+        MatMul4Bit.forward = saved_forward
+
+
+def _gemm_4bit_dequantized(args: tuple, kwargs: dict, device: Any) -> torch.Tensor:
+    """Before 0.50.0: the whole weight dequantized, then ``F.linear``, at any shape."""
+    return _cuda_dequant_linear_fallback(**_bind_gemm_4bit(args, kwargs))
 
 
 @functools.cache
@@ -195,8 +247,6 @@ def _int8_on_cuda() -> Iterator[None]:
     import bitsandbytes
     from bitsandbytes.autograd._functions import MatMul8bitLt, MatmulLtState
 
-    from batchfit.engine.kernels import _DECOMPOSE
-
     def matmul(A, B, out=None, state=None, threshold=0.0, bias=None):
         state = state or MatmulLtState()
         if threshold > 0.0:
@@ -207,14 +257,25 @@ def _int8_on_cuda() -> Iterator[None]:
            torch.ops.bitsandbytes.int8_mm_dequant.default: _int8_mm_dequant_cuda,
            torch.ops.bitsandbytes.int8_mixed_scaled_mm.default: _int8_mixed_scaled_mm}
     saved_matmul = bitsandbytes.matmul
-    saved_ops = {op: _DECOMPOSE.get(op) for op in ops}
     try:
         bitsandbytes.matmul = matmul
+        with _decomposed_as(ops):
+            yield
+    finally:
+        bitsandbytes.matmul = saved_matmul
+
+
+@contextlib.contextmanager
+def _decomposed_as(ops: dict[Any, Any]) -> Iterator[None]:
+    """Trace each op of ``ops`` as its decomposition there, restoring the previous ones."""
+    from batchfit.engine.kernels import _DECOMPOSE
+
+    saved = {op: _DECOMPOSE.get(op) for op in ops}
+    try:
         _DECOMPOSE.update(ops)
         yield
     finally:
-        bitsandbytes.matmul = saved_matmul
-        for op, previous in saved_ops.items():
+        for op, previous in saved.items():
             if previous is None:
                 _DECOMPOSE.pop(op, None)
             else:

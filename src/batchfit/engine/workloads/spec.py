@@ -8,6 +8,7 @@ model with the real libraries (peft, bitsandbytes, transformers).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -242,6 +243,33 @@ def parse_quant(text: str) -> QuantSpec:
         True
     """
     return QuantSpec(method=text)
+
+
+#: The first bitsandbytes with 4-bit weights (``Linear4bit``, the QLoRA release).
+FIRST_4BIT = (0, 39, 0)
+
+
+def parse_bitsandbytes_version(text: str | tuple[int, ...] | None) -> tuple[int, int, int] | None:
+    """``"0.41.1"``, ``"0.43"``, ``"v0.45.0.post1"`` -> ``(0, 41, 1)``...; None stays None
+    (the installed one). What the version changes: :mod:`batchfit.engine.workloads.runtime`.
+
+    Example:
+        >>> parse_bitsandbytes_version("0.41.1")
+        (0, 41, 1)
+    """
+    if text is None:
+        return None
+    found = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?",
+                     ".".join(map(str, text)) if isinstance(text, tuple) else str(text).strip())
+    if found is None:
+        raise InvalidInputError(f"malformed {option('bitsandbytes_version')} {text!r}: write it "
+                                "like 0.41.1 or 0.45")
+    version = (int(found[1]), int(found[2]), int(found[3] or 0))
+    if version < FIRST_4BIT:
+        raise InvalidInputError(
+            f"{option('bitsandbytes_version', text)}: bitsandbytes has 4-bit weights from "
+            "0.39.0 on")
+    return version
 
 
 @dataclass(frozen=True)
