@@ -1,5 +1,8 @@
 """Each rank's predicted peak against real sharded runs on this CPU, 2 and 4 processes.
 
+How it asks batchfit: ``trace_rank`` with a hand-made CPU ``DeviceProfile``: pending
+conversion to ``batchfit.estimate(spec, world_size=..., device="cpu")``.
+
 For every (world size, strategy, model): ``world`` real processes talk over gloo
 (:func:`batchfit.realrun.sharded.measure_sharded_steps`: the real model, sharded by
 torch's DDP / FSDP2 / DTensor tensor parallel or DeepSpeed's engine, measured by a
