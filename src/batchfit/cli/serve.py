@@ -62,7 +62,7 @@ def serve_cmd(
             if as_json else None)
     with errors(debug, json_head=head):
         outputs.check_outputs(html, None)
-        import batchfit
+        from batchfit.api.serving import serve_words
 
         given = {"engine": engine, "max_model_len": max_model_len,
                  "gpu_memory_utilization": utilization, "dtype": dtype, "kv_dtype": kv_dtype,
@@ -72,8 +72,8 @@ def serve_cmd(
                  "prompt_len": prompt_len, "new_tokens": new_tokens, "quant": quant,
                  "all_logits": all_logits or None, "vllm_engine": vllm_engine}
         with progress("serve", f"tracing {model}'s profile forward on {gpu}"):
-            answer = batchfit.serve(model, gpu=gpu, model_kwargs=model_kwargs,
-                                    **{k: v for k, v in given.items() if v is not None})
+            answer = serve_words(model, gpu=gpu, model_kwargs=model_kwargs,
+                                 **{k: v for k, v in given.items() if v is not None})
         data = answer.to_dict()
         written = outputs.write_answer_report("serve", data, f"batchfit serve {model} on {gpu}",
                                               html)
