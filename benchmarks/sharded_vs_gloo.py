@@ -1,7 +1,7 @@
 """Each rank's predicted peak against real sharded runs on this CPU, 2 and 4 processes.
 
-How it asks batchfit: ``trace_rank`` with a hand-made CPU ``DeviceProfile``: pending
-conversion to ``batchfit.estimate(spec, world_size=..., device="cpu")``.
+How it asks batchfit: ``trace_rank`` with a tensors-only CPU ``DeviceProfile`` and tiny
+DDP/DeepSpeed buckets no option sets: an exactness harness of the sharded trace.
 
 For every (world size, strategy, model): ``world`` real processes talk over gloo
 (:func:`batchfit.realrun.sharded.measure_sharded_steps`: the real model, sharded by

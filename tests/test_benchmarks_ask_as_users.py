@@ -79,6 +79,9 @@ HARNESSES = {
                           "batchfit predicts nothing",
     "search_trials.py": "where a real-device search spends its steps: the trial's internals "
                         "instrumented",
+    "sharded_vs_gloo.py": "exactness of each rank's trace against real gloo runs: a "
+                          "tensors-only CPU profile and tiny DDP/DeepSpeed buckets "
+                          "(bucket_cap_mb, deepspeed=) that no option sets",
 }
 
 #: Wall-time benchmarks: how long an answer takes, not what it is.
@@ -106,8 +109,6 @@ PENDING = {
                      "TrainConfig), and it reads the CPU profile's internals",
     "search_user_process.py": "batchfit.search_max_batch has no words API yet: it takes a "
                               "factory and a TrainConfig",
-    "sharded_vs_gloo.py": "predicts through trace_rank and a hand-made CPU DeviceProfile; "
-                          "batchfit.estimate(spec, world_size=..., device='cpu') can ask it",
 }
 
 LISTS = {"ACCURACY": dict.fromkeys(ACCURACY, ""), "HARNESSES": HARNESSES, "SPEED": SPEED,
