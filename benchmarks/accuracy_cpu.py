@@ -1,5 +1,9 @@
 """Accuracy of batchfit's CPU prediction against real steps measured on this CPU.
 
+How it asks batchfit: ``batchfit.estimate(factory, inputs, B, TrainConfig(...),
+device="cpu")`` with zoo.py's factories and configs, and the engine's trace and replay for
+the exact rows: pending conversion (tests/test_benchmarks_ask_as_users.py).
+
 For every case of ``benchmarks/zoo.py``: ``batchfit.estimate(..., device="cpu")``
 (a fake-tensor trace) against the same step run for real and measured by
 torch.profiler's allocator events and by a live-storage tracker

@@ -1,5 +1,8 @@
 """Write docs/accuracy.md from benchmarks/results/: the one command that regenerates it.
 
+How it asks batchfit: it does not: it writes the accuracy page from the results the
+benchmarks wrote.
+
 The docs build (`docs/hooks/reference.py`) runs `page()` itself, so the site's page is
 always the latest; the file this script writes is for reading it without a build
 (it is not committed).

@@ -1,5 +1,8 @@
 """The throughput knee on this CPU: the adaptive sweep against a dense one, and the roofline.
 
+How it asks batchfit: ``batchfit.speed.bench`` and ``predict_throughput`` with a factory and
+a TrainConfig, and the CPU profile's internals: pending conversion.
+
 For each small model, with a memory budget that puts the largest batch near a target:
 
 (a) Efficiency. ``bench(batches="auto")`` (at most 8 measured batch sizes) against a dense

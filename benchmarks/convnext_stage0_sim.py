@@ -1,5 +1,8 @@
 """ConvNeXt's stage 0 under the caching allocator's rules, simulated apart from the engine.
 
+How it asks batchfit: it does not: the allocator's rules are simulated here by hand, apart
+from the engine.
+
 The replay needs more memory for ConvNeXt inference than the cards had (README, "Real
 GPUs": convnext_tiny at 768 images of 384 px needs 24,770 MiB of segments; the 3090 has
 24,268 MiB and ran it). This script checks that claim without the engine's allocator or

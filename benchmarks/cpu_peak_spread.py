@@ -1,6 +1,8 @@
 """Why a plain capped CPU process is not a repeatable device: the peak ``VmData`` of the
 same training step, run by strace, in fresh interpreters under different start-up seeds.
 
+How it asks batchfit: it does not: it measures the capped CPU device itself.
+
 ``RLIMIT_DATA`` limits ``VmData`` (the kernel's ``data_vm``: private writable mappings and
 the brk heap). This rebuilds ``data_vm`` from every ``mmap``/``munmap``/``mprotect``/
 ``mremap``/``brk`` of the process (``strace -f``), so each run gives its peak over the

@@ -205,7 +205,8 @@ def build_timm_on_cpu(name: str, fused_attn: bool) -> Any:
 
 
 def device_for(row: Row) -> Any:
-    """The row's card as ``--gpu NAME`` resolves it: the catalog's profile of that name."""
+    """The row's card as ``--gpu NAME`` resolves it: the catalog's profile of that name (the
+    trace cache's key; the prediction names the card itself)."""
     from batchfit.device.profile import resolve_device
 
     return resolve_device(row.gpu)
@@ -347,14 +348,13 @@ def predict_row(row: Row, trace_cache: Path | None = None) -> dict[str, Any]:
 
     settings = row_settings(row)
     config = batchfit.TrainConfig(**settings)
-    device = device_for(row)
     if trace_cache is not None:
-        install_trace_cache(trace_cache, row, config, device)
+        install_trace_cache(trace_cache, row, config, device_for(row))
 
     def solve(build: Any) -> Any:
         return batchfit.max_batch_size(functools.partial(build, row.model, row.set != "T"),
                                        (3, row.img_size, row.img_size), config,
-                                       device=device, max_batch_limit=row.start_size)
+                                       device=row.gpu, max_batch_limit=row.start_size)
 
     start = time.perf_counter()
     built = "meta"

@@ -1,5 +1,8 @@
 """Do two cards with the same software stack agree? timm's public benchmark files, compared.
 
+How it asks batchfit: it does not predict: it reads the catalog's CUDA totals (``find_gpu``)
+beside timm's published files.
+
 Every answer of ``batchfit max --gpu`` depends on the card only through what the engine
 knows of it (CUDA's total memory, compute capability, SM count). Where two cards run the
 same torch and CUDA and CUDA gives them almost the same memory, an answer can differ

@@ -1,5 +1,8 @@
 """The engine's inference trace against torch's own CUDA dispatch, model by model.
 
+How it asks batchfit: the engine's trace (``trace_step``) against torch's CUDA dispatch: an
+exactness harness.
+
 batchfit traces a step on fake *CPU* tensors and emulates what CUDA does differently
 (the CUDA autocast policy, the kernel a convolution or attention runs, copies made
 inside kernels). A forward pass needs no autograd, so it can also run on fake *CUDA*

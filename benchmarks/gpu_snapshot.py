@@ -1,6 +1,9 @@
 """Record one real step of a GPU-bracket row on this machine's GPU and set batchfit's
 prediction of it against the allocator's record, allocation by allocation.
 
+How it asks batchfit: ``batchfit.estimate`` on the live card beside the engine's events, set
+against a CUDA memory snapshot: a diagnostic harness.
+
 The brackets (``gpu_brackets.py``) say where the emulation misses, not why. A CUDA memory
 snapshot of the same step does (:mod:`batchfit.device.snapshot`): which allocation sizes
 the GPU made that batchfit does not predict, which batchfit predicts that the GPU never

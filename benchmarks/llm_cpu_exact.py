@@ -4,6 +4,9 @@ configs, against the torch profiler on the same real step (``measure_step``, ste
 batch 4 x 64 tokens, one thread). The cases are tests/engine/test_workloads.py's CPU_CASES
 (the test asserts < 2%).
 
+How it asks batchfit: the engine's ``estimate`` with the tests' TrainConfigs against
+``measure_step``: an exactness harness.
+
 Usage: nice python benchmarks/llm_cpu_exact.py
 Writes benchmarks/results/llm_cpu_exact.json and .md.
 """

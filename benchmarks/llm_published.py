@@ -2,7 +2,8 @@
 
 How it asks batchfit: ``batchfit.max_seq_len("hf:...", 1, gpu="A100 80GB", memory="12GiB",
 lora=..., quant="nf4-dq", ...)`` and ``batchfit.estimate`` for the Unsloth rows;
-``serve_capacity`` (``batchfit serve``'s library call) for the octocoder and vLLM rows.
+``batchfit.serve("hf:...", gpu="A100 40GB", engine="hf", ...)`` (``batchfit serve``'s
+words) for the octocoder and vLLM rows.
 
 Every figure names the metric it reports. Nothing in batchfit was fitted to these numbers,
 with one exception stated where it applies: the vLLM profile-run rule (transformers keeps the
@@ -231,22 +232,21 @@ def unsloth_curve(lengths: list[int], transformers_version: str | None = "4.47")
 
 def octocoder() -> list[dict]:
     """Asked as ``batchfit serve hf:DIR --gpu "A100 40GB" --engine hf ...`` asks it: the card
-    by its catalog name. The fp4 row alone needs more than the user's words: its fp32
-    compute dtype (bitsandbytes' default) has no flag; ``--quant fp4`` computes in the
-    precision's 16-bit type."""
-    from batchfit.answers.serve import serve_capacity
-    from batchfit.engine.workloads.spec import QuantSpec
+    by its catalog name; the fp4 row's fp32 compute dtype (bitsandbytes' default) is
+    ``quant="fp4,compute=fp32"`` (``--quant fp4,compute=fp32``)."""
+    import batchfit
 
     model = f"hf:{HERE / 'data' / 'octocoder'}"
     rows = []
     for label, dtype, quant, published in (
             ("bf16", "bf16", None, 29.0260648727417),
             ("load_in_8bit", "fp16", "int8", 15.219234466552734),
-            ("load_in_4bit (fp4, fp32 compute)", "fp16",
-             QuantSpec("fp4", compute_dtype="float32"), 9.543574333190918)):
+            ("load_in_4bit (fp4, fp32 compute)", "fp16", "fp4,compute=fp32",
+             9.543574333190918)):
         start = time.perf_counter()
-        result = serve_capacity(model, device="A100 40GB", engine="hf", batch_size=1,
-                                prompt_len=20, new_tokens=60, dtype=dtype, quant=quant)
+        words = {"quant": quant} if quant else {}
+        result = batchfit.serve(model, gpu="A100 40GB", engine="hf", batch_size=1,
+                                prompt_len=20, new_tokens=60, dtype=dtype, **words)
         allocated = max(result.hf["prefill_allocated_bytes"], result.hf["decode_peak_bytes"])
         rows.append(_row("octocoder", f"octocoder generate, {label}", "allocated GiB",
                          published, allocated / GiB, time.perf_counter() - start, "held-out"))
@@ -254,28 +254,29 @@ def octocoder() -> list[dict]:
 
 
 def vllm() -> list[dict]:
-    from batchfit.answers.serve import serve_capacity
+    """Asked as ``batchfit serve hf:NAME --gpu ... --max-model-len ... --total-memory ...
+    --non-torch ...`` asks it; each log's CUDA total and non-torch memory as the log prints
+    them (GiB)."""
+    import batchfit
 
     rows = []
     for length, published in ((20000, 1952), (29000, 1478)):
         start = time.perf_counter()
-        r = serve_capacity("hf:meta-llama/Llama-3.1-8B", device="RTX 3090",
+        r = batchfit.serve("hf:meta-llama/Llama-3.1-8B", gpu="RTX 3090",
                            max_model_len=length, max_num_batched_tokens=length,
-                           total_memory_bytes=int(23.58 * GiB), non_torch_bytes=int(0.35 * GiB),
-                           vllm_engine="v0")
+                           total_memory="23.58GiB", non_torch="0.35GiB", vllm_engine="v0")
         rows.append(_row("vllm", f"Llama-3.1-8B, RTX 3090, max_model_len {length}",
                          "# GPU blocks", published, r.plan.num_blocks,
                          time.perf_counter() - start, "dev"))
     start = time.perf_counter()
-    r = serve_capacity("hf:meta-llama/Llama-2-7b-hf", device="A100 80GB", max_model_len=4096,
-                       max_num_batched_tokens=4096, total_memory_bytes=int(79.15 * GiB),
-                       non_torch_bytes=0)
+    r = batchfit.serve("hf:meta-llama/Llama-2-7b-hf", gpu="A100 80GB", max_model_len=4096,
+                       max_num_batched_tokens=4096, total_memory="79.15GiB", non_torch="0")
     rows.append(_row("vllm", "Llama-2-7B, A100-80GB, vLLM 0.2", "# GPU blocks", 7449,
                      r.plan.num_blocks, time.perf_counter() - start, "held-out"))
     start = time.perf_counter()
-    r = serve_capacity("hf:meta-llama/Meta-Llama-3-8B", device="H100", max_model_len=8192,
-                       max_num_batched_tokens=8192, total_memory_bytes=int(79.22 * GiB),
-                       non_torch_bytes=int(1.79 * GiB), vllm_engine="v0")
+    r = batchfit.serve("hf:meta-llama/Meta-Llama-3-8B", gpu="H100", max_model_len=8192,
+                       max_num_batched_tokens=8192, total_memory="79.22GiB",
+                       non_torch="1.79GiB", vllm_engine="v0")
     seconds = time.perf_counter() - start
     case = "Meta-Llama-3-8B, H100, vLLM 0.6.5 (#10511)"
     for metric, published, predicted in (

@@ -1,6 +1,8 @@
 """Speed and memory of the LLM commands, run as a user runs them (a fresh `batchfit`
 process, start-up included), with a peer from issue 3 in the same rounds.
 
+How it asks batchfit: the ``batchfit`` command line in fresh processes (a speed benchmark).
+
 * `batchfit max hf:meta-llama/Meta-Llama-3-8B --lora r=16 --quant nf4 --seq-len 4096
   --gpu "RTX 4090"`: target <= 30 s wall, <= 2 GB RSS.
 * `batchfit serve hf:meta-llama/Llama-3.1-70B --gpu B200 --max-model-len 32768`: target

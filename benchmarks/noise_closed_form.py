@@ -1,5 +1,8 @@
 """The noise-scale estimator against linear regression's closed form, over many seeds.
 
+How it asks batchfit: ``batchfit.noise_scale(...)``, the public entry point, on the closed-
+form model.
+
 Linear regression with Gaussian inputs and noise (tests/stats/noise_models.py: d = 8,
 sigma = 1, 200,000 examples): at the current weights |G|^2 = |delta|^2 and
 tr(Σ) = (d + 1)|delta|^2 + d sigma^2 exactly. For each method (micro-batches of 8 in a big
@@ -27,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "stats"))
 from noise_models import half_mse, linear_regression
 
-from batchfit.stats.measure import noise_scale
+from batchfit import noise_scale
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -1,6 +1,9 @@
 """What measuring the noise scale in training costs: the same 50 accumulated steps with and
 without :class:`batchfit.stats.NoiseScaleMonitor` (``every=1``: every step measured).
 
+How it asks batchfit: ``batchfit.NoiseScaleMonitor`` in a training loop, timed (a speed
+benchmark).
+
 Each model trains with ``MICRO`` accumulated micro-batches per optimizer step (what the
 monitor reads) and AdamW. A round times 50 steps without the monitor and 50 with it
 (attached at the start, ``result()`` read at the end, so the deferred device reads are
@@ -28,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from batchfit.stats.monitor import NoiseScaleMonitor
+from batchfit import NoiseScaleMonitor
 
 RESULTS = Path(__file__).parent / "results"
 MICRO = 4

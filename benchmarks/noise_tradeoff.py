@@ -1,5 +1,8 @@
 """Does the measured noise scale predict the steps/batch trade-off of a real training run?
 
+How it asks batchfit: ``batchfit.noise_scale(...)`` and ``batchfit.NoiseScaleMonitor``, the
+public entry points, in a real training run.
+
 Task: scikit-learn's bundled digits (1,797 8x8 images, 10 classes; no download), features
 standardised, an MLP 64-64-10 (tanh) trained from scratch with plain SGD on the whole set,
 batches from a fresh shuffle each epoch. Target: the full-dataset cross-entropy at or below
@@ -40,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from batchfit.stats.monitor import NoiseScaleMonitor
+from batchfit import NoiseScaleMonitor
 
 RESULTS = Path(__file__).parent / "results"
 BATCHES = (8, 16, 32, 64, 128, 256, 512)
@@ -79,7 +82,7 @@ def batches(n: int, batch_size: int, seed: int):
 
 def snapshot(model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> float:
     """B_simple at the current weights, measured by batchfit (the model is left as it was)."""
-    from batchfit.stats.measure import noise_scale
+    from batchfit import noise_scale
 
     def loss(m: nn.Module, batch) -> torch.Tensor:
         return nn.functional.cross_entropy(m(batch[0]), batch[1])

@@ -1,6 +1,9 @@
 """Wall time of `batchfit plan` for an 8B LLM over four layouts, run as a user runs it (a
 fresh `batchfit` process, start-up included): issue 36's case, target <= 60 s.
 
+How it asks batchfit: the ``batchfit plan`` command line in fresh processes (a speed
+benchmark).
+
     batchfit plan hf:meta-llama/Meta-Llama-3-8B --gpus 8xH100 --global-batch 256
       --seq-len 2048 --strategies ddp,fsdp,zero2,zero3
 

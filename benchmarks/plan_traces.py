@@ -1,5 +1,7 @@
 """Each trace of `plan` for an 8B LLM over four layouts, timed (where its time goes).
 
+How it asks batchfit: the planner's internals, each trace timed (a speed harness).
+
 Usage: PYTHONPATH=SRC nice python benchmarks/plan_traces.py hf:meta-llama/Meta-Llama-3-8B 2048
 Prints one line per rank trace (strategy, offload, checkpointing, micro-batch, seconds, bytes)
 and per roofline trace (checkpointing, micro-batch, seconds), then the wall time and the plan.

@@ -1,5 +1,8 @@
 """Predict the published bert-large V100 memory figures, asked as a user would ask.
 
+How it asks batchfit: the ``batchfit estimate`` command line with the source's words
+(``--gpu``, ``--stack``, ``--precision``, ``--checkpointing``).
+
 Hugging Face's "model training anatomy" / "efficient training on one GPU" docs:
 bert-large-uncased (sequence classification), seq 512, AdamW, fp32, on a 16 GB
 V100, measured by nvidia-smi (which includes the 1,343 MB CUDA context they also

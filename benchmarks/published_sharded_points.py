@@ -1,8 +1,11 @@
-"""Predict published per-GPU memory figures of multi-GPU training (issue 16).
+"""Predict published per-GPU memory figures of multi-GPU training (issue 16): the rows no
+user option expresses.
 
 How it asks batchfit: ``estimate_ranks`` with hand-set configs (a restated torch 2.0 Adam
-class, ``zero_grad_after_forward``, torchtitan's per-op checkpointing policy): settings no
-user option expresses, so its figures are not user-facing yet.
+class, FSDP1 with ``reshard_after_forward=False``, torchtitan's per-op checkpointing
+policy): a harness, its figures are not user-facing. The rows a user can ask (the Trainer's
+DDP, FULL_SHARD and offload rows, Fabric's offload row) are
+``published_sharded_users.py``, through ``batchfit.estimate``.
 
 Every figure is predicted from its source's own settings, with nothing tuned to it; the
 held-out group was scored only after the first group's code was final.
@@ -82,7 +85,7 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from published_sharded_users import SEQ, VOCAB, lightning_transformer, nll_loss
 
 from batchfit.answers.ranks import estimate_ranks
 from batchfit.engine.spec import TensorSpec, TrainConfig
@@ -91,34 +94,6 @@ from batchfit.sharding import Parallelism
 RESULTS = Path(__file__).parent / "results"
 MIB, GIB = 1 << 20, 1 << 30
 LIGHTNING_WRAP = ("TransformerEncoderLayer", "TransformerDecoderLayer")
-SEQ = 35  # WikiText2's default block size in lightning.pytorch.demos
-
-
-def lightning_transformer():
-    """Lightning's demo Transformer, its forward with ``tgt_is_causal=True``: torch detects
-    that its mask is causal by comparing values (``torch.equal``), which a fake trace cannot
-    do; the mask is causal, so the hint leaves the computation as it was."""
-    import math
-
-    from lightning.pytorch.demos import Transformer
-
-    class CausalHinted(Transformer):
-        def forward(self, inputs, target, mask=None):
-            _, t = inputs.shape
-            if mask is None:
-                mask = self.generate_square_subsequent_mask(t).to(inputs.device)
-            src = self.pos_encoder(self.embedding(inputs) * math.sqrt(self.ninp))
-            target = self.pos_encoder(self.embedding(target) * math.sqrt(self.ninp))
-            output = self.transformer(src, target, tgt_mask=mask, tgt_is_causal=True)
-            output = F.log_softmax(self.decoder(output), dim=-1)
-            return output.view(-1, self.vocab_size)
-
-    return CausalHinted(vocab_size=33278, nlayers=32, nhid=4096, ninp=1024, nhead=64)
-
-
-def nll_loss(output, batch):
-    args, _ = batch  # (positional inputs, keyword inputs)
-    return F.nll_loss(output, args[1].view(-1))
 
 
 class Torch20ForeachAdam(torch.optim.Adam):
@@ -162,15 +137,12 @@ class Torch20ForeachAdam(torch.optim.Adam):
 
 # (group, source, label, strategy, offload, published MiB). Lightning's FSDPStrategy is
 # FSDP1; its cpu_offload=True is FSDP1's CPUOffload(offload_params=True).
+# The other rows of the guides are published_sharded_users.py's, asked as a user asks.
 LIGHTNING = [
     ("fabric", "DDP", "ddp", "none", 26_953),
     ("fabric", "SHARD_GRAD_OP (FSDP1)", "fsdp1-grad-op", "none", 11_815),
     ("fabric", "FULL_SHARD (FSDP1)", "fsdp1", "none", 11_578),
-    ("fabric", "FULL_SHARD + cpu_offload (FSDP1 CPUOffload)", "fsdp1", "params", 2_825),
-    ("trainer", "DDP", "ddp", "none", 23_125),
     ("trainer", "SHARD_GRAD_OP (FSDP1)", "fsdp1-grad-op", "none", 11_772),
-    ("trainer", "FULL_SHARD (FSDP1)", "fsdp1", "none", 9_627),
-    ("trainer", "FULL_SHARD + cpu_offload (FSDP1 CPUOffload)", "fsdp1", "params", 2_790),
 ]
 #: The Adam each guide's figures ran (see the module docstring): the Fabric guide's were
 #: published on 2023-07-19, the Trainer guide's on 2023-08-17.
@@ -186,7 +158,7 @@ TORCHTITAN = [(8, 82.4), (128, 67.0)]  # (GPUs, published GiB reserved)
 
 def lightning_rows() -> list[dict]:
     rows = []
-    inputs = (TensorSpec((SEQ,), "int64", high=33278), TensorSpec((SEQ,), "int64", high=33278))
+    inputs = (TensorSpec((SEQ,), "int64", high=VOCAB), TensorSpec((SEQ,), "int64", high=VOCAB))
     configs = {"trainer": TrainConfig(optimizer="adam", optimizer_kwargs={"lr": 0.1},
                                       loss_fn=nll_loss, zero_grad_after_forward=True),
                "fabric": TrainConfig(optimizer=Torch20ForeachAdam,

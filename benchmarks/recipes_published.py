@@ -1,5 +1,8 @@
 """batchfit with ``--recipe`` against published LLM fine-tuning memory (issue 36, item 5).
 
+How it asks batchfit: the ``batchfit`` command line (``python -m batchfit.cli``) with the
+source's words and ``--recipe``.
+
 Each row of ``benchmarks/data/recipes_published.csv`` is run as a user would: the CLI words
 of the source's stated settings and the preset of its framework (with ``--quant``, the
 bitsandbytes the source states, ``bnb 0.41.1``, as ``--bitsandbytes-version``). The split

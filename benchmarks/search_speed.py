@@ -1,5 +1,8 @@
 """Issue 35 item 10: where a CPU `batchfit search` spends its wall time, before and after.
 
+How it asks batchfit: the ``batchfit search`` command line in a subprocess (a speed
+benchmark).
+
 Runs the command a user runs, ``batchfit search MODEL --device cpu --memory-cap CAP
 --json``, in a subprocess with stderr piped, ``--repeats`` times per source tree, and
 reads the phases from the command's own progress lines on stderr (one per trial, each

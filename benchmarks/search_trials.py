@@ -1,5 +1,8 @@
 """Where a real-device search spends its steps, and what the seed trial measures.
 
+How it asks batchfit: ``search_max_batch`` and the trial's internals, instrumented (a
+harness).
+
 Two measurements behind issue 4's notes (same capped CPU device as
 ``search_vs_peers.py``: AdamW, 2 steps per trial, 128 MiB cap, one thread, glibc's mmap
 threshold pinned):

@@ -1,5 +1,8 @@
 """Issue 14's check of the capped-CPU search: does it answer for the user's own process?
 
+How it asks batchfit: ``search_max_batch(factory, ..., TrainConfig)`` on the capped CPU:
+pending conversion (search has no words API yet).
+
 The device (DESIGN.md section 4): a process builds the model and AdamW, runs one training
 step at batch 1, frees that step's gradients and batch, sets ``RLIMIT_DATA`` = VmData +
 cap, then runs 2 steps at batch B. The truth is a **plain** fresh ``python -c`` process

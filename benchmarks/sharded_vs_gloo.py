@@ -1,5 +1,8 @@
 """Each rank's predicted peak against real sharded runs on this CPU, 2 and 4 processes.
 
+How it asks batchfit: ``trace_rank`` with a tensors-only CPU ``DeviceProfile`` and tiny
+DDP/DeepSpeed buckets no option sets: an exactness harness of the sharded trace.
+
 For every (world size, strategy, model): ``world`` real processes talk over gloo
 (:func:`batchfit.realrun.sharded.measure_sharded_steps`: the real model, sharded by
 torch's DDP / FSDP2 / DTensor tensor parallel or DeepSpeed's engine, measured by a

@@ -1,5 +1,7 @@
 """The benchmark zoo: models, inputs, batch sizes and configs batchfit is checked on.
 
+How it asks batchfit: it does not: it lists the cases accuracy_cpu.py and the tests run.
+
 Every case is small enough to run for real on a 2-core CPU in under ~20 s per
 step, and together they cover: convolutional nets (with BatchNorm, depthwise
 convolutions, dense connections), vision transformers, decoder-only, encoder-only

@@ -71,6 +71,9 @@ CASES = [
                             "--alloc-conf", "expandable_segments:True", "--memory", "12GiB"],
      "estimate", {"batch_size": 16, "gpu": "RTX 4090", "alloc_conf": "expandable_segments:True",
                   "memory": "12GiB"}),
+    ("cnn-estimate-zero-grad", ["estimate", "{conv}", "-b", "4", "--gpu", "T4",
+                                "--zero-grad", "after-forward"],
+     "estimate", {"batch_size": 4, "gpu": "T4", "zero_grad": "after-forward"}),
     ("cnn-max-gpu", ["max", "{conv}", "--gpu", "T4", "--memory", "2GiB", "--margin", "0.1"],
      "max_batch_size", {"gpu": "T4", "memory": "2GiB", "margin": 0.1}),
     ("cnn-max-cpu", ["max", "{conv}", "--device", "cpu", "--memory", "1GiB", "--overhead",
@@ -137,6 +140,25 @@ CASES = [
      "predict_throughput", {"gpu": "RTX 4090", "memory": "8GiB", "batches": [2, 4],
                             "seq_len": 64, "model_kwargs": ["n_layer=2"],
                             "stack": "torch2.4+cu124"}),
+    # serve: no option given is the library's default (0.9 of the card, 16-token blocks...)
+    ("serve-vllm", ["serve", "hf:Qwen/Qwen2.5-0.5B", "--gpu", "L4", "--max-model-len", "2048",
+                    "--max-num-batched-tokens", "256", "--model-kwargs", "num_hidden_layers=2"],
+     "serve", {"gpu": "L4", "max_model_len": 2048, "max_num_batched_tokens": 256,
+               "model_kwargs": {"num_hidden_layers": 2}}),
+    ("serve-vllm-sizes", ["serve", "hf:Qwen/Qwen2.5-0.5B", "--gpu", "A100 80GB",
+                          "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
+                          "--non-torch", "1GiB", "--total-memory", "79GiB", "--kv-dtype", "fp8",
+                          "--gpu-memory-utilization", "0.8", "--vllm-engine", "v0",
+                          "--block-size", "32", "--model-kwargs", "num_hidden_layers=2"],
+     "serve", {"gpu": "A100 80GB", "max_num_batched_tokens": 512, "max_num_seqs": 16,
+               "non_torch": "1GiB", "total_memory": "79GiB", "kv_dtype": "fp8",
+               "gpu_memory_utilization": 0.8, "vllm_engine": "v0", "block_size": 32,
+               "model_kwargs": ["num_hidden_layers=2"]}),
+    ("serve-hf-generate", ["serve", "hf:Qwen/Qwen2.5-0.5B", "--gpu", "T4", "--engine", "hf",
+                           "-b", "2", "--prompt-len", "32", "--new-tokens", "16", "--dtype",
+                           "fp16", "--model-kwargs", "num_hidden_layers=2"],
+     "serve", {"gpu": "T4", "engine": "hf", "batch_size": 2, "prompt_len": 32,
+               "new_tokens": 16, "dtype": "fp16", "model_kwargs": {"num_hidden_layers": 2}}),
 ]
 
 SLOW_CASES = [
@@ -193,6 +215,38 @@ def test_issue_40_example_is_25_both_ways(files):
     """The number from the issue (the CLI's answer before this change)."""
     data = _check(files, *ISSUE_40)
     assert data["max_batch_size"] == 25
+
+
+def test_serve_by_hand_is_the_library_default():
+    """The serve answer a user gets without options is vLLM's defaults, derived by hand: 90%
+    of the card requested, 0.35 GiB outside torch, 16-token blocks, and the result says it
+    fits (before, the library's to_dict lacked the CLI's ``fits``)."""
+    answer = batchfit.serve("hf:Qwen/Qwen2.5-0.5B", gpu="L4", max_model_len=2048,
+                            max_num_batched_tokens=256, model_kwargs={"num_hidden_layers": 2})
+    data = answer.to_dict()
+    assert data["requested_bytes"] == -(-answer.device.total_memory_bytes * 9 // 10)
+    assert data["non_torch_bytes"] == int(0.35 * (1 << 30))
+    assert data["block_size"] == 16 and data["fits"] is True
+    assert data["engine"] == "vllm" and data["vllm_engine"] == "v1"
+
+
+def test_zero_grad_after_forward_reaches_the_step(files):
+    """Lightning's loop order is a user option (before, only TrainConfig's field said it)."""
+    from batchfit.api.step import resolve_step
+
+    assert resolve_step(files["conv"], zero_grad="after-forward").config \
+        .zero_grad_after_forward
+    assert not resolve_step(files["conv"], zero_grad="first").config.zero_grad_after_forward
+    assert not resolve_step(files["conv"]).config.zero_grad_after_forward
+    with pytest.raises(batchfit.InvalidInputError, match="use first or after-forward"):
+        resolve_step(files["conv"], zero_grad="late")
+
+
+def test_serve_names_an_unknown_keyword():
+    from batchfit.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="did you mean max_num_batched_tokens"):
+        batchfit.serve("hf:Qwen/Qwen2.5-0.5B", gpu="L4", max_num_batched_token=256)
 
 
 def test_qlora_defaults_reach_the_library():

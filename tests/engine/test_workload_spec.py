@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from batchfit.errors import InvalidInputError
@@ -50,6 +52,24 @@ def test_parse_quant():
     assert not parse_quant("int8").method.is_4bit
     with pytest.raises(InvalidInputError, match="unknown quant 'nf3'"):
         parse_quant("nf3")
+
+
+def test_parse_quant_compute_dtype():
+    """``compute=`` sets bitsandbytes' 4-bit compute dtype (before: no user option did)."""
+    assert parse_quant("fp4,compute=fp32").compute_dtype == "float32"
+    assert parse_quant("nf4-dq, compute=BF16").compute_dtype == "bfloat16"
+    assert parse_quant("fp4").compute_dtype is None
+    for text, words in (("fp4,compute=fp8", "compute='fp8'"), ("fp4,dtype=fp32", "unknown"),
+                        ("int8,compute=fp16", "int8 has none")):
+        with pytest.raises(InvalidInputError, match=re.escape(words)):
+            parse_quant(text)
+
+
+def test_quant_text_reaches_the_config():
+    from batchfit.engine.spec import TrainConfig
+
+    config = TrainConfig(mode="infer", quant="fp4,compute=fp32")
+    assert config.quant.method is QuantMethod.FP4 and config.quant.compute_dtype == "float32"
 
 
 def test_lora_spec_direct():

@@ -68,6 +68,10 @@ class Engine(StrEnum):
     HF = "hf"
 
 
+#: The engine asked about when none is named.
+DEFAULT_ENGINE = Engine.VLLM
+
+
 class VllmEngine(StrEnum):
     """Which vLLM engine sizes the cache: V1 (vLLM >= 0.8's default) or V0 (vLLM <= 0.6)."""
 
@@ -137,6 +141,8 @@ class ServeResult:
             "max_model_len": self.max_model_len,
             "max_concurrency": round(self.max_concurrency, 4),
             "layer_kinds": self.layer_kinds, "notes": list(self.notes),
+            # a result means the weights and the profile run fit (else DoesNotFitError)
+            "fits": True,
         }
         if self.plan is not None:
             data.update(vllm_engine=self.vllm_engine,
@@ -229,8 +235,9 @@ def _weights_bytes(model: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def serve_capacity(model: str, *, device: DeviceProfile | str, engine: Engine | str = "vllm",
-                   max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
+def serve_capacity(model: str, *, device: DeviceProfile | str,
+                   engine: Engine | str = DEFAULT_ENGINE, max_model_len: int | None = None,
+                   gpu_memory_utilization: float = 0.9,
                    dtype: str = "auto", kv_dtype: str = "auto", block_size: int = 16,
                    max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                    non_torch_bytes: int | None = None, total_memory_bytes: int | None = None,

@@ -20,7 +20,7 @@ from batchfit.api.answers import (
     predict_throughput_words,
 )
 
-__all__ = ["Answer", "estimate", "max_batch_size", "max_seq_len", "predict_throughput"]
+__all__ = ["Answer", "estimate", "max_batch_size", "max_seq_len", "predict_throughput", "serve"]
 
 
 def estimate(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -95,3 +95,25 @@ def predict_throughput(model: Any, *args: Any, **kwargs: Any) -> Any:
     from batchfit.speed.roofline import predict_throughput as predict_module
 
     return predict_module(model, *args, **kwargs)
+
+
+def serve(model: str, **kwargs: Any) -> Any:
+    """Serving capacity of a language model on a card: KV-cache bytes per token, blocks,
+    tokens and concurrent sequences (vLLM), or ``model.generate``'s peak (``engine="hf"``).
+
+    ``serve("hf:Qwen/Qwen2.5-0.5B", gpu="A100 80GB", max_model_len=4096)`` answers what
+    ``batchfit serve hf:Qwen/Qwen2.5-0.5B --gpu "A100 80GB" --max-model-len 4096`` answers,
+    with the command's names as keywords (:func:`batchfit.api.serving.serve_words`, an
+    :class:`Answer`; the engine is :func:`batchfit.answers.serve.serve_capacity`).
+
+    Example:
+        >>> import batchfit
+        >>> answer = batchfit.serve("hf:Qwen/Qwen2.5-0.5B", gpu="A100 80GB",
+        ...                         max_model_len=2048, max_num_batched_tokens=256,
+        ...                         model_kwargs={"num_hidden_layers": 2})
+        >>> answer.plan.num_blocks > 0
+        True
+    """
+    from batchfit.api.serving import serve_words
+
+    return serve_words(model, **kwargs)

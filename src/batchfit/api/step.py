@@ -87,7 +87,7 @@ def _config(mode: str, optimizer: str | None, precision: str | None,
             checkpointing: bool | None, channels_last: bool, lora: str | None,
             quant: str | None, loss: str | None, grad_accum: int, use_reentrant: bool,
             packing: bool, attn: str | None, transformers_version: str | None,
-            bitsandbytes_version: str | None, recipe: str | None,
+            bitsandbytes_version: str | None, recipe: str | None, zero_grad: str | None,
             settings: dict[str, Any]) -> Any:
     """The step's config. What the options leave None (precision, checkpointing, optimizer,
     loss) the recipe decides in :class:`TrainConfig` (peft's QLoRA defaults with ``quant``
@@ -105,7 +105,7 @@ def _config(mode: str, optimizer: str | None, precision: str | None,
         lora=lora, quant=quant, loss=loss, grad_accum_steps=grad_accum,
         use_reentrant=use_reentrant, transformers_version=transformers_version,
         bitsandbytes_version=bitsandbytes_version,
-        **settings,
+        zero_grad_after_forward=_zero_grad_after_forward(zero_grad), **settings,
         # flash attention takes packed rows as varlen sequences and builds no mask
         packing=packing and ATTN.get((attn or "sdpa").strip().lower()) != "flash")
     if config.quant is not None and config.lora is None and config.mode is Mode.TRAIN:
@@ -117,6 +117,18 @@ def _config(mode: str, optimizer: str | None, precision: str | None,
         raise InvalidInputError(f"{option('use_reentrant', True)} applies to checkpointing: "
                                 f"add {option('checkpointing', True)}")
     return config
+
+
+def _zero_grad_after_forward(zero_grad: str | None) -> bool:
+    """``zero_grad``: where the loop calls ``zero_grad``: ``first`` (before the forward, as
+    torch's examples do) or ``after-forward`` (between the loss and ``backward``, as
+    Lightning's automatic optimization does: last step's gradients live through the
+    forward)."""
+    text = "first" if zero_grad is None else str(zero_grad).strip().lower().replace("_", "-")
+    if text not in ("first", "after-forward"):
+        raise InvalidInputError(f"unknown {option('zero_grad')} {zero_grad!r}: use first or "
+                                "after-forward (Lightning's Trainer)")
+    return text == "after-forward"
 
 
 def _attn_kwargs(attn: str | None, kwargs: dict[str, Any]) -> None:
@@ -142,7 +154,7 @@ def resolve_step(model: str, *, input_shape: str | None = None, seq_len: int | N
                  grad_accum: int = 1, use_reentrant: bool = False, packing: bool = False,
                  attn: str | None = None, transformers_version: str | None = None,
                  bitsandbytes_version: str | None = None,
-                 recipe: str | None = None,
+                 recipe: str | None = None, zero_grad: str | None = None,
                  **settings: Any) -> Step:
     """The step named by ``model`` (``timm:NAME``, ``hf:NAME``, ``path/file.py:factory``...)
     and the options, with every default decided: the optimizer (adamw, or a compiled Keras
@@ -153,8 +165,7 @@ def resolve_step(model: str, *, input_shape: str | None = None, seq_len: int | N
 
     config = _config(mode, optimizer, precision, checkpointing, channels_last, lora, quant,
                      loss, grad_accum, use_reentrant, packing, attn, transformers_version,
-                     bitsandbytes_version,
-                     recipe, settings)
+                     bitsandbytes_version, recipe, zero_grad, settings)
     if seq_len is not None and seq_len < 1:
         raise InvalidInputError(f"{option('seq_len')} must be a positive integer, not {seq_len}")
     shape = parse_shape(input_shape) if input_shape is not None else None

@@ -51,6 +51,8 @@ OPTIONS: dict[str, tuple[Any, Any]] = {
                                  STEP)),
     "inference_mode": (bool, _opt(False, "--inference-mode", "infer under inference_mode, not "
                                   "no_grad", STEP)),
+    "zero_grad": (Optional[str], _opt(None, "--zero-grad", "first (default) or "
+                                      "after-forward (Lightning's Trainer)", STEP)),
     # where it runs
     "gpu": (Optional[str], _opt(None, "--gpu", "a catalog GPU (batchfit gpus) or auto",
                                 TARGET)),
@@ -73,7 +75,7 @@ OPTIONS: dict[str, tuple[Any, Any]] = {
     "recipe": (Optional[str], _opt(None, "--recipe", "peft, litgpt, torchtune, unsloth, "
                                    "axolotl: its defaults", LLM)),
     "quant": (Optional[str], _opt(None, "--quant", "bitsandbytes base: nf4, nf4-dq, fp4, "
-                                  "fp4-dq, int8", LLM)),
+                                  "fp4-dq, int8 (4-bit: ,compute=fp32|bf16|fp16)", LLM)),
     "loss": (Optional[str], _opt(None, "--loss", "standard, chunked (Liger), native "
                                  "(litgpt), chunked-output (torchtune)", LLM)),
     "grad_accum": (int, _opt(1, "--grad-accum", "micro-batches per optimizer step", LLM)),
@@ -110,7 +112,7 @@ OPTIONS: dict[str, tuple[Any, Any]] = {
 
 #: The groups commands take (the library's keyword groups, batchfit.api.answers).
 STEP_OPTIONS = ("model_kwargs", "input_shape", "seq_len", "mode", "optimizer", "precision",
-                "checkpointing", "channels_last", "inference_mode")
+                "checkpointing", "channels_last", "inference_mode", "zero_grad")
 STACK_OPTIONS = ("stack", "torch_version", "cuda_version", "cudnn_benchmark", "alloc_conf")
 LLM_OPTIONS = ("lora", "recipe", "quant", "loss", "grad_accum", "use_reentrant", "packing", "attn",
                "transformers_version", "bitsandbytes_version")

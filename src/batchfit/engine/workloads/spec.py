@@ -235,14 +235,39 @@ def _lora_value(name: str, value: str) -> Any:
     return value
 
 
+#: ``compute=`` spellings of ``bnb_4bit_compute_dtype``
+_COMPUTE_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16",
+                   "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+
+
 def parse_quant(text: str) -> QuantSpec:
-    """Parse ``--quant nf4|nf4-dq|fp4|fp4-dq|int8``.
+    """Parse ``--quant nf4|nf4-dq|fp4|fp4-dq|int8``, optionally with the 4-bit compute dtype
+    (``bnb_4bit_compute_dtype``): ``fp4,compute=fp32``. Without it the compute dtype follows
+    the precision (:class:`QuantSpec`).
 
     Example:
         >>> parse_quant("nf4-dq").method.double_quant
         True
+        >>> parse_quant("fp4,compute=fp32").compute_dtype
+        'float32'
     """
-    return QuantSpec(method=text)
+    method, _, rest = str(text).partition(",")
+    compute = None
+    for item in (i.strip() for i in rest.split(",") if i.strip()):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip().lower() != "compute":
+            raise InvalidInputError(f"unknown {option('quant')} item {item!r}: the only one is "
+                                    f"compute=fp32|bf16|fp16, e.g. "
+                                    f"{option('quant', 'fp4,compute=fp32')}")
+        compute = _COMPUTE_DTYPES.get(value.strip().lower())
+        if compute is None:
+            raise InvalidInputError(f"{option('quant')} compute={value.strip()!r}: use fp32, "
+                                    "bf16 or fp16")
+    spec = QuantSpec(method=method, compute_dtype=compute)
+    if compute is not None and not spec.method.is_4bit:
+        raise InvalidInputError(f"{option('quant')} compute= is the 4-bit compute dtype; "
+                                f"{spec.method.value} has none: drop it")
+    return spec
 
 
 #: The first bitsandbytes with 4-bit weights (``Linear4bit``, the QLoRA release).
