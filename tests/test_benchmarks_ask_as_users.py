@@ -28,7 +28,7 @@ FORBIDDEN = {
 }
 
 #: Accuracy benchmarks converted to the user's calls.
-ACCURACY = ("llm_published.py", "gpu_brackets.py", "max_vs_true_cpu.py")
+ACCURACY = ("llm_published.py", "gpu_brackets.py", "max_vs_true_cpu.py", "recipes_published.py")
 
 #: Speed and exactness harnesses: allowed inside, with the reason.
 HARNESSES = {
