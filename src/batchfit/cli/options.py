@@ -73,7 +73,7 @@ OPTIONS: dict[str, tuple[Any, Any]] = {
     "recipe": (Optional[str], _opt(None, "--recipe", "peft, litgpt, torchtune, unsloth, "
                                    "axolotl: its defaults", LLM)),
     "quant": (Optional[str], _opt(None, "--quant", "bitsandbytes base: nf4, nf4-dq, fp4, "
-                                  "fp4-dq, int8", LLM)),
+                                  "fp4-dq, int8; ,bnb=0.42: its release", LLM)),
     "loss": (Optional[str], _opt(None, "--loss", "standard, chunked (Liger), native "
                                  "(litgpt), chunked-output (torchtune)", LLM)),
     "grad_accum": (int, _opt(1, "--grad-accum", "micro-batches per optimizer step", LLM)),

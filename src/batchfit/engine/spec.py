@@ -322,7 +322,13 @@ class TrainConfig:
     recipe: Any = None
 
     def __post_init__(self) -> None:
-        from batchfit.engine.workloads.spec import LoraSpec, LossKind, QuantSpec, parse_lora
+        from batchfit.engine.workloads.spec import (
+            LoraSpec,
+            LossKind,
+            QuantSpec,
+            parse_lora,
+            parse_quant,
+        )
 
         if isinstance(self.stack, str):
             from batchfit.engine.stack import Stack
@@ -339,7 +345,7 @@ class TrainConfig:
         elif self.lora is not None and not isinstance(self.lora, LoraSpec):
             raise InvalidInputError(f"lora must be a LoraSpec or its text, not {self.lora!r}")
         if isinstance(self.quant, str):
-            object.__setattr__(self, "quant", QuantSpec(method=self.quant))
+            object.__setattr__(self, "quant", parse_quant(self.quant))
         elif self.quant is not None and not isinstance(self.quant, QuantSpec):
             raise InvalidInputError(f"quant must be a QuantSpec or its name, not {self.quant!r}")
         object.__setattr__(self, "loss", parse_enum(LossKind, self.loss, "loss"))
@@ -366,14 +372,14 @@ class TrainConfig:
         refuse a recipe the framework could not run with the values given."""
         from batchfit.engine.workloads.recipes import (FUSED_OPTIMIZER, check_recipe,
                                                        parse_recipe, recipe_defaults)
-        from batchfit.engine.workloads.spec import LoraSpec, QuantSpec, parse_lora
+        from batchfit.engine.workloads.spec import LoraSpec, QuantSpec, parse_lora, parse_quant
 
         recipe = parse_recipe(self.recipe)
         object.__setattr__(self, "recipe", recipe)
         if isinstance(self.lora, str):
             object.__setattr__(self, "lora", parse_lora(self.lora))
         if isinstance(self.quant, str):
-            object.__setattr__(self, "quant", QuantSpec(method=self.quant))
+            object.__setattr__(self, "quant", parse_quant(self.quant))
         quant = self.quant if isinstance(self.quant, QuantSpec) else None
         found = recipe_defaults(recipe, quantized=quant is not None)
         fill = {

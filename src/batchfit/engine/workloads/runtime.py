@@ -16,7 +16,9 @@ bitsandbytes 4-bit matmul (``bitsandbytes::gemm_4bit``)
     The trace runs these sub-ops (bitsandbytes' own default implementation on a CPU
     target; the CUDA fallback's allocations, in its order, on a CUDA target), so the
     transient dequantized weight is in the timeline. Backward dequantizes through
-    ``F.dequantize_4bit``, whose ops the trace sees anyway.
+    ``F.dequantize_4bit``, whose ops the trace sees anyway. With a release before 0.43.2
+    (``--quant nf4,bnb=0.42``) each matmul also keeps its input until backward, as those
+    releases did.
 
 bitsandbytes LLM.int8 (``Linear8bitLt``), CUDA targets
     ``bnb.matmul`` picks ``MatMul8bitFp`` for a CPU tensor, which a fake trace has, and
@@ -61,6 +63,8 @@ def workload_runtime(config: TrainConfig, device: Target) -> Iterator[None]:
             register_bnb_decompositions()
             if quant.method is QuantMethod.INT8 and device is not None and device.is_cuda:
                 stack.enter_context(_int8_on_cuda())
+            if quant.keeps_matmul_input:
+                stack.enter_context(_matmul_4bit_keeps_input())
         if config.loss is LossKind.CHUNKED:
             stack.enter_context(_liger_without_launches())
         yield
@@ -144,6 +148,32 @@ def register_bnb_decompositions() -> None:
         "dequantize_4bit", "dequantize_blockwise", "quantize_4bit", "quantize_blockwise",
         "optimizer_update_8bit_blockwise", "optimizer_update_32bit", "int8_linear_matmul",
         "int8_vectorwise_dequant", "int8_double_quant")))
+
+
+@contextlib.contextmanager
+def _matmul_4bit_keeps_input() -> Iterator[None]:
+    """bitsandbytes before 0.43.2: ``MatMul4Bit.forward`` ended with ``ctx.tensors = (A, B)``
+    (bitsandbytes/autograd/_functions.py at 0.41.0 and 0.42.0), so every 4-bit layer's input
+    stayed alive on its autograd node until the graph was freed, though backward only
+    dequantizes ``B``; bitsandbytes#1270 (0.43.2) stores ``(None, B)``. The installed
+    forward runs, then keeps ``A`` as the old one did."""
+    from bitsandbytes.autograd._functions import MatMul4Bit
+
+    saved = MatMul4Bit.__dict__["forward"]
+    forward = MatMul4Bit.forward
+
+    def keeping_input(ctx: Any, A: torch.Tensor, B: torch.Tensor, *args: Any,
+                      **kwargs: Any) -> torch.Tensor:
+        output = forward(ctx, A, B, *args, **kwargs)
+        if not ctx.is_empty and any(ctx.needs_input_grad[:2]):
+            ctx.tensors = (A, ctx.tensors[1])
+        return output
+
+    try:
+        MatMul4Bit.forward = staticmethod(keeping_input)
+        yield
+    finally:
+        MatMul4Bit.forward = saved
 
 
 # -- bitsandbytes LLM.int8 on a CUDA target ----------------------------------------------------

@@ -91,6 +91,10 @@ class LoraSpec:
                 "bias": self.bias, "dora": self.dora}
 
 
+#: The first bitsandbytes release whose 4-bit matmul no longer keeps its input for backward.
+FIRST_BNB_WITHOUT_BUFFERED_INPUT = (0, 43, 2)
+
+
 class QuantMethod(StrEnum):
     """bitsandbytes base-weight quantization (``BitsAndBytesConfig``)."""
 
@@ -128,6 +132,10 @@ class QuantSpec:
             None: the recipe's (:mod:`batchfit.engine.workloads.recipes`; peft's True).
         skip_modules: ``llm_int8_skip_modules``; None keeps transformers' default (the
             output embedding, e.g. ``lm_head``).
+        bnb_version: the bitsandbytes release the run used (``--quant nf4,bnb=0.42``), as
+            ``(major, minor, patch)``; None: the installed one's behaviour. Before 0.43.2 a
+            4-bit matmul keeps its input alive until backward (see
+            :attr:`keeps_matmul_input`).
     """
 
     method: QuantMethod | str = QuantMethod.NF4
@@ -135,6 +143,7 @@ class QuantSpec:
     prepare: bool | None = None
     skip_modules: tuple[str, ...] | None = None
     blocksize: int = 64
+    bnb_version: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         text = str(self.method).strip().lower().replace("_", "-")
@@ -150,11 +159,24 @@ class QuantSpec:
                 f"quant compute dtype {self.compute_dtype!r}: use float32, bfloat16 or float16")
         if self.skip_modules is not None:
             object.__setattr__(self, "skip_modules", tuple(self.skip_modules))
+        if isinstance(self.bnb_version, str):
+            object.__setattr__(self, "bnb_version", _bnb_version(self.bnb_version))
+
+    @property
+    def keeps_matmul_input(self) -> bool:
+        """Whether each 4-bit matmul holds its input until backward, which never reads it:
+        bitsandbytes' ``MatMul4Bit.forward`` set ``ctx.tensors = (A, B)`` until 0.43.2
+        dropped ``A`` (bitsandbytes#1270, "fix QLoRA mem bug: delete useless buffered
+        activation")."""
+        return (self.method.is_4bit and self.bnb_version is not None
+                and self.bnb_version < FIRST_BNB_WITHOUT_BUFFERED_INPUT)
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method.value, "compute_dtype": self.compute_dtype,
                 "prepare": self.prepare,
-                "skip_modules": list(self.skip_modules) if self.skip_modules else None}
+                "skip_modules": list(self.skip_modules) if self.skip_modules else None,
+                "bnb_version": ".".join(map(str, self.bnb_version)) if self.bnb_version
+                else None}
 
 
 class LossKind(StrEnum):
@@ -235,13 +257,39 @@ def _lora_value(name: str, value: str) -> Any:
 
 
 def parse_quant(text: str) -> QuantSpec:
-    """Parse ``--quant nf4|nf4-dq|fp4|fp4-dq|int8``.
+    """Parse ``--quant nf4|nf4-dq|fp4|fp4-dq|int8``, optionally with the bitsandbytes
+    release: ``nf4,bnb=0.42``.
 
     Example:
         >>> parse_quant("nf4-dq").method.double_quant
         True
+        >>> parse_quant("nf4,bnb=0.42.0").keeps_matmul_input
+        True
     """
-    return QuantSpec(method=text)
+    method, *items = (part.strip() for part in str(text).split(","))
+    fields: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if key.strip().lower() not in ("bnb", "bitsandbytes") or not sep:
+            raise InvalidInputError(
+                f"unknown {option('quant')} item {item!r}: only the bitsandbytes release "
+                f"follows the method, e.g. {option('quant', 'nf4,bnb=0.42')}")
+        fields["bnb_version"] = _bnb_version(value.strip())
+    return QuantSpec(method=method, **fields)
+
+
+def _bnb_version(text: str) -> tuple[int, int, int]:
+    """``"0.42"`` -> ``(0, 42, 0)``; ``"0.43.1"`` -> ``(0, 43, 1)``."""
+    parts = text.lstrip("vV").split(".")
+    try:
+        numbers = [int(part) for part in parts]
+    except ValueError:
+        numbers = []
+    if not 2 <= len(numbers) <= 3:
+        raise InvalidInputError(f"malformed bitsandbytes release {text!r} in "
+                                f"{option('quant')}: write it like 0.42 or 0.43.1")
+    major, minor, patch = (numbers + [0])[:3]
+    return major, minor, patch
 
 
 @dataclass(frozen=True)
