@@ -91,8 +91,9 @@ def score(row: dict[str, str], data: dict) -> dict:
 def run(row: dict[str, str]) -> dict:
     """Run one row through the CLI in a fresh process (or list it as not expressible)."""
     words = command(row)
-    result = {"id": row["id"], "metric": row["metric"], "command": "batchfit " + " ".join(
-        f'"{w}"' if " " in w else w for w in words)}
+    result = {"id": row["id"], "metric": row["metric"],
+              "published": row["published_gb"] or row["published_outcome"].upper(),
+              "command": "batchfit " + " ".join(f'"{w}"' if " " in w else w for w in words)}
     if not expressible(row):
         result["not_expressible"] = row["expressible"].removeprefix("no:").strip()
         return result
@@ -132,7 +133,7 @@ def markdown(summary: dict) -> str:
             continue
         error = f"{100 * r['error']:+.1f}" if "error" in r else ""
         predicted = r.get("predicted_gb", f"failed: {r.get('failure')}")
-        lines.append(f"| {r['id']} | {r['metric']} | {r.get('published_gb', 'OOM')} "
+        lines.append(f"| {r['id']} | {r['metric']} | {r['published']} "
                      f"| {predicted} | {error} | {r.get('fits')} |")
     skipped = [r for r in summary["rows"] if "not_expressible" in r]
     if skipped:

@@ -24,6 +24,7 @@ from benchmarks.recipes_published import (
     METRICS,
     command,
     expressible,
+    markdown,
     read_rows,
     run,
     score,
@@ -82,6 +83,16 @@ def test_a_row_no_option_expresses_is_listed_not_run(monkeypatch: pytest.MonkeyP
     summary = summarize("dev", [result, {"id": "x", "fits": True, "outcome_agrees": True,
                                          "within_10": True}])
     assert (summary["not_expressible"], summary["outcomes"], summary["figures"]) == (1, 1, 1)
+
+
+def test_a_failed_run_keeps_its_published_figure(monkeypatch: pytest.MonkeyPatch) -> None:
+    failed = subprocess.CompletedProcess([], 2, stdout="", stderr="error: the backward failed")
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: failed)
+    result = run(_row(published_gb="11"))
+    assert result["failure"] == "error: the backward failed"
+    table = markdown(summarize("dev", [result]))
+    assert "| probe | max_memory_reserved | 11 | failed: error: the backward failed |" in table
+    assert "0 of 0 figures within 10%; 0 of 1 fit/OOM outcomes agree" in table
 
 
 ROWS = read_rows("dev") + read_rows("blind")
