@@ -1,20 +1,28 @@
 """batchfit with ``--recipe`` against published LLM fine-tuning memory (issue 36, item 5).
 
-How it asks batchfit: the ``batchfit`` command line (``python -m batchfit.cli``) with the
-source's words and ``--recipe``.
+How it asks batchfit: the CLI, ``batchfit estimate <model> --recipe <framework> --lora ...
+-b B --seq-len S --gpu <card> --json``, in the words of each source's stated settings and
+the preset of its framework; a row's ``flags`` column adds what the source states beyond the
+preset (``--loss standard --transformers-version 4.40`` for torchtune's 2024 float32 logits,
+``--packing --attn flash`` for an axolotl config, ``--memory 48GB`` for a card size).
 
-Each row of ``benchmarks/data/recipes_published.csv`` is run as a user would: the CLI words
-of the source's stated settings and the preset of its framework (with ``--quant``, the
-bitsandbytes the source states, ``bnb 0.41.1``, as ``--bitsandbytes-version``). The split
-was fixed in the CSV before any blind row was scored: ``dev`` rows were used while
-developing, ``blind`` rows are scored once (``--set blind``).
+Each row of ``benchmarks/data/recipes_published.csv`` names its source (repository, path,
+commit or URL). The split was fixed in the CSV before any row of it was scored: ``dev`` rows
+may be looked into, ``blind`` rows are scored once (``--set blind``). A row whose run needs
+something no option says (torch.compile, Unsloth's offloaded checkpointing) is kept with
+``expressible`` = ``no: <why>``, listed and counted as not expressible, and not run.
 
-Metric: litgpt prints ``torch.cuda.max_memory_allocated()`` over the whole run, so a figure is
-compared with batchfit's allocated peak of the steady step (``peak_allocated_bytes``), in GB
-(1e9 bytes). ``first_step_peak_bytes`` is not an allocated figure (it is the first step's
-allocator capacity plus the CUDA context, like ``total_bytes``), so it is reported beside it
-(``first_step_total_gb``) but not compared; in these LoRA rows the first step adds only the
-adapters' optimizer state. A fit/OOM row agrees when batchfit's ``fits`` matches the outcome.
+Metrics (the ``metric`` column names what the source printed):
+
+* ``max_memory_allocated`` (litgpt's "Memory used", over the whole run): batchfit's allocated
+  peak of the steady step (``first_step_peak_bytes`` is a total, allocator capacity plus the
+  CUDA context, like ``total_bytes``: it is kept in the results, not compared);
+* ``max_memory_reserved`` (torchtune's "peak memory reserved"): the steady step's reserved
+  peak;
+* ``vram`` (a figure that names no metric): the total on the card, reserved plus what lies
+  outside the allocator.
+
+Figures are GB (1e9 bytes). A fit/OOM outcome agrees when batchfit's ``fits`` matches it.
 
 Usage: nice python benchmarks/recipes_published.py --set dev|blind
 Writes benchmarks/results/recipes_published_<set>.json and .md.
@@ -26,80 +34,135 @@ import argparse
 import csv
 import json
 import os
-import re
+import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
+CSV = HERE / "data" / "recipes_published.csv"
+
+#: What each published metric is compared with, from ``batchfit estimate --json``.
+METRICS: dict[str, Callable[[dict], int]] = {
+    "max_memory_allocated": lambda data: data["peak_allocated_bytes"],
+    "max_memory_reserved": lambda data: data["peak_reserved_bytes"],
+    "vram": lambda data: data["total_bytes"],
+}
+
+
+def read_rows(which: str, path: Path = CSV) -> list[dict[str, str]]:
+    """The CSV's rows of set ``which`` (dev or blind)."""
+    with open(path, newline="") as handle:
+        return [row for row in csv.DictReader(handle) if row["set"] == which]
+
+
+def expressible(row: dict[str, str]) -> bool:
+    """Whether the CLI can say the source's settings (column ``expressible`` is ``yes``)."""
+    return row.get("expressible", "yes").strip() in ("", "yes")
 
 
 def command(row: dict[str, str]) -> list[str]:
+    """The ``batchfit`` words of a row: its settings, then its extra ``flags``."""
     words = ["estimate", row["model"], "--recipe", row["recipe"], "--lora", row["lora"],
              "-b", row["batch_size"], "--seq-len", row["seq_len"], "--gpu", row["gpu"], "--json"]
     if row["quant"]:
         words += ["--quant", row["quant"]]
-        stated = re.search(r"\bbnb (\d+\.\d+(?:\.\d+)?)", row["source"])
-        if stated:  # the bitsandbytes the source states (its 4-bit matmul changed since)
-            words += ["--bitsandbytes-version", stated.group(1)]
     if row["precision"]:
         words += ["--precision", row["precision"]]
-    return words
+    return words + shlex.split(row.get("flags") or "")
+
+
+def score(row: dict[str, str], data: dict) -> dict:
+    """Compare one ``--json`` answer with the row's published figure and outcome."""
+    result: dict = {"fits": data["fits"], "outcome_agrees":
+                    data["fits"] is (row["published_outcome"] == "fit"),
+                    "answer_bytes": {key: data.get(key) for key in (
+                        "peak_allocated_bytes", "peak_reserved_bytes", "total_bytes",
+                        "first_step_peak_bytes")}}
+    predicted = METRICS[row["metric"]](data) / 1e9
+    result["predicted_gb"] = round(predicted, 2)
+    if row["published_gb"]:
+        published = float(row["published_gb"])
+        error = round((predicted - published) / published, 4)
+        result.update(published_gb=published, error=error, within_10=abs(error) <= 0.10)
+    return result
 
 
 def run(row: dict[str, str]) -> dict:
+    """Run one row through the CLI in a fresh process (or list it as not expressible)."""
     words = command(row)
+    result = {"id": row["id"], "metric": row["metric"],
+              "published": row["published_gb"] or row["published_outcome"].upper(),
+              "command": "batchfit " + " ".join(f'"{w}"' if " " in w else w for w in words)}
+    if not expressible(row):
+        result["not_expressible"] = row["expressible"].removeprefix("no:").strip()
+        return result
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run([sys.executable, "-m", "batchfit.cli", *words], capture_output=True,
                           text=True, env=env, cwd=ROOT, check=False)
-    result = {"id": row["id"], "command": "batchfit " + " ".join(
-        f'"{w}"' if " " in w else w for w in words), "exit_code": done.returncode}
+    result["exit_code"] = done.returncode
     try:
         data = json.loads(done.stdout)
     except json.JSONDecodeError:
-        result["error"] = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        result["failure"] = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return result
-    peak = data["peak_allocated_bytes"]
-    result.update(predicted_gb=round(peak / 1e9, 2), fits=data["fits"],
-                  first_step_total_gb=round((data.get("first_step_peak_bytes") or 0) / 1e9, 2))
-    if row["published_gb"]:
-        published = float(row["published_gb"])
-        result.update(published_gb=published,
-                      error=round((peak / 1e9 - published) / published, 4))
-        result["within_10"] = abs(result["error"]) <= 0.10
-    result["outcome_agrees"] = result["fits"] is (row["published_outcome"] == "fit")
-    return result
+    return {**result, **score(row, data)}
+
+
+def summarize(which: str, results: list[dict]) -> dict:
+    """Totals over a set: figures within 10%, outcomes that agree, rows not expressible."""
+    figures = [r for r in results if "within_10" in r]
+    scored = [r for r in results if "not_expressible" not in r]
+    return {"set": which, "figures": len(figures),
+            "within_10": sum(r["within_10"] for r in figures),
+            "outcomes": len(scored),
+            "outcomes_agree": sum(bool(r.get("outcome_agrees")) for r in scored),
+            "not_expressible": len(results) - len(scored), "rows": results}
+
+
+def markdown(summary: dict) -> str:
+    """The set's table, totals first, then the not-expressible rows and the commands."""
+    lines = [f"# recipes_published ({summary['set']})", "",
+             (f"{summary['within_10']} of {summary['figures']} figures within 10%; "
+              f"{summary['outcomes_agree']} of {summary['outcomes']} fit/OOM outcomes agree; "
+              f"{summary['not_expressible']} rows not expressible (not run)."),
+             "", "| id | metric | published GB | batchfit GB | error % | fits |",
+             "|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        if "not_expressible" in r:
+            continue
+        error = f"{100 * r['error']:+.1f}" if "error" in r else ""
+        predicted = r.get("predicted_gb", f"failed: {r.get('failure')}")
+        lines.append(f"| {r['id']} | {r['metric']} | {r['published']} "
+                     f"| {predicted} | {error} | {r.get('fits')} |")
+    skipped = [r for r in summary["rows"] if "not_expressible" in r]
+    if skipped:
+        lines += ["", "Not expressible:", ""]
+        lines += [f"- {r['id']}: {r['not_expressible']}" for r in skipped]
+    lines += ["", "Commands:", ""] + [f"    {r['command']}" for r in summary["rows"]]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--set", choices=("dev", "blind"), required=True)
-    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=1)
     args = parser.parse_args()
-    with open(HERE / "data" / "recipes_published.csv", newline="") as handle:
-        rows = [r for r in csv.DictReader(handle) if r["set"] == args.set]
+    rows = read_rows(args.set)
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(run, rows))
-    figures = [r for r in results if "within_10" in r]
-    summary = {"set": args.set, "figures": len(figures),
-               "within_10": sum(r["within_10"] for r in figures),
-               "outcomes": len(results),
-               "outcomes_agree": sum(bool(r.get("outcome_agrees")) for r in results),
-               "rows": results}
+        results = []
+        for result in pool.map(run, rows):
+            results.append(result)
+            answer = result.get("predicted_gb", result.get("not_expressible"))
+            print(f"[{len(results)}/{len(rows)}] {result['id']}: "
+                  f"{answer or result.get('failure')}", file=sys.stderr, flush=True)
+    summary = summarize(args.set, results)
     out = HERE / "results" / f"recipes_published_{args.set}"
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
-    lines = [f"# recipes_published ({args.set})", "",
-             (f"{summary['within_10']} of {summary['figures']} figures within 10%; "
-              f"{summary['outcomes_agree']} of {summary['outcomes']} fit/OOM outcomes agree."),
-             "", "| id | published GB | batchfit GB (allocated, steady step) | error | fits |",
-             "|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['id']} | {r.get('published_gb', 'OOM')} | {r.get('predicted_gb')} "
-                     f"| {r.get('error', '')} | {r.get('fits')} |")
-    lines += ["", "Commands:", ""] + [f"    {r['command']}" for r in results]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text(markdown(summary))
     print(out.with_suffix(".md").read_text())
 
 

@@ -51,8 +51,10 @@ Known limitations:
       its weight copies are cached weakly (a copy lives as long as something,
       usually autograd, holds it) instead of until the region exits.
     * ``torch.autocast("cuda", ...)`` written into model code stays a no-op, as
-      on any machine without CUDA. (Inside a region CUDA's autocast *state* is set,
-      so code that asks ``torch.is_autocast_enabled()`` sees what it would on a GPU.)
+      on any machine without CUDA. (``torch.is_autocast_enabled()`` and
+      ``torch.is_autocast_enabled("cuda")`` answer the CPU stand-in's state while the
+      emulation is active, a checkpoint recomputation included, so code that asks sees
+      what it would on a GPU.)
     * Substituted attention computes values without dropout (memory is the
       same: fused kernels keep only an RNG seed); a trainable ``attn_mask`` and
       nested tensors use the math path. cuDNN attention's workspace and the
@@ -201,6 +203,24 @@ class _InterceptMode(TorchFunctionMode):
 
 
 
+def _cuda_follows_cpu(is_enabled: Callable[..., bool]) -> Callable[..., bool]:
+    """``torch.is_autocast_enabled`` answering CUDA's state from the CPU stand-in.
+
+    Enabled CPU autocast means CUDA autocast while the emulation is active, and a checkpoint
+    recomputation restores the autocast state of its arguments' device only (the CPU here,
+    ``torch.utils.checkpoint``'s ``_get_autocast_kwargs``). Code that asks CUDA's state
+    (peft's bitsandbytes LoRA layers: ``requires_conversion = not
+    torch.is_autocast_enabled()``) must see in a recomputation what it saw in forward, or it
+    casts differently and the non-reentrant checkpoint refuses the recomputed tensors.
+    """
+    def is_autocast_enabled(device_type: str | None = None) -> bool:
+        if device_type is None or device_type == "cuda":
+            return is_enabled("cpu")
+        return is_enabled(device_type)
+
+    return is_autocast_enabled
+
+
 class CudaEmulation:
     """Run a step on CPU (real or fake) tensors the way a CUDA device would run it.
 
@@ -290,6 +310,7 @@ class CudaEmulation:
         self._patched_globals: dict[int, dict] = {}
         self._composite_ops: dict[str, bool] = {}
         self._entering: Callable | None = None
+        self._is_autocast_enabled: Callable[..., bool] = torch.is_autocast_enabled
 
     # -- public ---------------------------------------------------------------------------
 
@@ -298,6 +319,8 @@ class CudaEmulation:
             raise RuntimeError("this CudaEmulation is already active")
         self._mode = _InterceptMode(self)
         self._mode.__enter__()
+        self._is_autocast_enabled = torch.is_autocast_enabled
+        torch.is_autocast_enabled = _cuda_follows_cpu(self._is_autocast_enabled)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -306,6 +329,7 @@ class CudaEmulation:
             if mode is not None:
                 mode.__exit__(*exc_info)
         finally:
+            torch.is_autocast_enabled = self._is_autocast_enabled
             self._cache.clear()
 
     @contextlib.contextmanager
