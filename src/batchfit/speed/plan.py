@@ -397,10 +397,10 @@ class _Needs:
 
     def _record(self, key: tuple[Any, ...], traced: Mapping[int, int | BatchfitError]) -> None:
         """Keep what the traces of ``key``'s micro-batches gave: bytes, or the error that
-        answers for that micro-batch when (and only if) the search asks for it. A trace
-        run ahead of need (:meth:`first_pair`, a pair's second) can fail where the
-        search never goes: a ``Sequential`` checkpointed, which it cannot be, when the
-        variant without checkpointing fits."""
+        answers for that micro-batch when (and only if) the search asks for it. A variant
+        traced ahead of need (:meth:`first_pair`) can fail where the search never goes:
+        a ``Sequential`` checkpointed, which it cannot be, when the variant without
+        checkpointing fits."""
         for micro, result in traced.items():
             if isinstance(result, BatchfitError):
                 self.failures[key, micro] = result
