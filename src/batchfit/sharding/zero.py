@@ -129,9 +129,10 @@ def _import_deepspeed() -> Any:
     its import-time probes ask NVML and create no CUDA context (DeepSpeed issue #7918).
     Left set, every later ``torch.cuda.is_available()`` asks NVML again (torch/cuda/
     __init__.py: ``device_count`` loads libnvidia-ml with ctypes and caches nothing before
-    CUDA is initialized), and ``FakeTensorMode`` calls it on every op its cache misses
-    (``avoid_device_init``, torch/_subclasses/fake_tensor.py): a trace paid one library
-    load per such op, and so did every later trace in the process, sharded or not.
+    CUDA is initialized), and ``FakeTensorMode`` calls it whenever it is entered and on
+    every op its cache misses (``avoid_device_init``, torch/_subclasses/fake_tensor.py): a
+    trace paid hundreds of library loads, and so did every later trace in the process,
+    sharded or not.
 
     The variable is set while DeepSpeed is imported and while it makes the two decisions
     that read it, which it then keeps for the process: its accelerator
