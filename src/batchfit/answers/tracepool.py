@@ -137,7 +137,10 @@ class _Worker:
             return None
         (size,) = _LENGTH.unpack(header)
         payload = _read_exactly(self.replies, size, timeout_s) if size else None
-        return pickle.loads(payload) if payload else None
+        try:
+            return pickle.loads(payload) if payload else None
+        except Exception:  # noqa: BLE001 - e.g. an error whose arguments do not unpickle
+            return None
 
     def close(self, *, kill: bool) -> None:
         os.close(self.requests)  # EOF: an idle worker exits

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -113,6 +114,47 @@ def _quiet_deepspeed() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+#: What importing DeepSpeed sets for the whole process (deepspeed/__init__.py:
+#: ``os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")``).
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+def _import_deepspeed() -> Any:
+    """Import DeepSpeed (once per process, as any import) with torch's CUDA availability
+    check left as it was before.
+
+    Importing DeepSpeed sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` for the process, so that
+    its import-time probes ask NVML and create no CUDA context (DeepSpeed issue #7918).
+    Left set, every later ``torch.cuda.is_available()`` asks NVML again (torch/cuda/
+    __init__.py: ``device_count`` loads libnvidia-ml with ctypes and caches nothing before
+    CUDA is initialized), and ``FakeTensorMode`` calls it whenever it is entered and on
+    every op its cache misses (``avoid_device_init``, torch/_subclasses/fake_tensor.py): a
+    trace paid hundreds of library loads, and so did every later trace in the process,
+    sharded or not.
+
+    The variable is set while DeepSpeed is imported and while it makes the two decisions
+    that read it, which it then keeps for the process: its accelerator
+    (``get_accelerator``, cached in ``real_accelerator.ds_accelerator``) and whether Triton
+    is usable (``deepspeed.HAS_TRITON``, cached on first access). Then it is put back as
+    the user had it, which is how every trace without DeepSpeed runs."""
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    saved = os.environ.get(_NVML_CHECK)
+    os.environ.setdefault(_NVML_CHECK, "1")
+    try:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator()
+        deepspeed.HAS_TRITON  # noqa: B018 (computed and kept on first access)
+    finally:
+        if saved is None:
+            os.environ.pop(_NVML_CHECK, None)
+        else:
+            os.environ[_NVML_CHECK] = saved
+    return deepspeed
 
 
 @contextlib.contextmanager
@@ -202,6 +244,7 @@ class ZeroTransform:
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
         with _quiet_deepspeed():
+            _import_deepspeed()
             yield from self._session()
 
     def _session(self) -> Iterator[None]:

@@ -361,6 +361,7 @@ class _Needs:
             self._meta.build_model(model)  # before the fork: the worker inherits it
         self._reuse: dict[tuple[Any, ...], Any] = {}
         self.sizes: dict[tuple[Any, ...], dict[int, int]] = {}
+        self.failures: dict[tuple[Any, ...], BatchfitError] = {}  # (variant, micro) -> error
         self.slopes: dict[bool, float] = {}
         self.pool = TracePool(self._trace, allowed=device.is_cuda)
 
@@ -377,7 +378,7 @@ class _Needs:
     def __exit__(self, *exc: object) -> None:
         self.pool.close()
 
-    def _trace(self, request: int) -> int:
+    def _trace(self, request: int) -> int | BatchfitError:
         from batchfit.answers.ranks import estimate_ranks
         from batchfit.engine.trace import TraceReuse
 
@@ -387,9 +388,24 @@ class _Needs:
             self._reuse[key] = TraceReuse()
             if config.workload is None:
                 self._reuse[key].meta_model = self._meta.meta_model
-        return estimate_ranks(self.model, self.inputs, micro, config, device=self.device,
-                              parallel=layout, first_step=False,
-                              reuse=self._reuse[key]).total_bytes
+        try:
+            return estimate_ranks(self.model, self.inputs, micro, config, device=self.device,
+                                  parallel=layout, first_step=False,
+                                  reuse=self._reuse[key]).total_bytes
+        except BatchfitError as exc:  # the variant's answer, if the search asks for it
+            return exc
+
+    def _record(self, key: tuple[Any, ...], traced: Mapping[int, int | BatchfitError]) -> None:
+        """Keep what the traces of ``key``'s micro-batches gave: bytes, or the error that
+        answers for that micro-batch when (and only if) the search asks for it. A variant
+        traced ahead of need (:meth:`first_pair`) can fail where the search never goes:
+        a ``Sequential`` checkpointed, which it cannot be, when the variant without
+        checkpointing fits."""
+        for micro, result in traced.items():
+            if isinstance(result, BatchfitError):
+                self.failures[key, micro] = result
+            else:
+                self.sizes.setdefault(key, {})[micro] = result
 
     def first_pair(self, variants: list[tuple[Any, TrainConfig]]) -> None:
         """Trace a layout's first two variants (without and with checkpointing, say) at a
@@ -401,7 +417,7 @@ class _Needs:
         keys = [_variant_key(layout, config) for layout, config in variants[:2]]
         traced = self.pool.map([self._ids[key, 1] for key in keys])
         for key in keys:
-            self.sizes.setdefault(key, {})[1] = traced[self._ids[key, 1]]
+            self._record(key, {1: traced[self._ids[key, 1]]})
 
     def largest_divisor_that_fits(self, layout: Any, config: TrainConfig,
                                   per_replica: int) -> tuple[int | None, int]:
@@ -412,9 +428,12 @@ class _Needs:
         sizes = self.sizes.setdefault(key, {})
 
         def need_many(batches: list[int]) -> dict[int, int]:
-            todo = [b for b in batches if b not in sizes]
+            todo = [b for b in batches if b not in sizes and (key, b) not in self.failures]
             traced = self.pool.map([self._ids[key, b] for b in todo])
-            sizes.update((b, traced[self._ids[key, b]]) for b in todo)
+            self._record(key, {b: traced[self._ids[key, b]] for b in todo})
+            for b in batches:
+                if (key, b) in self.failures:
+                    raise self.failures[key, b]
             return {b: sizes[b] for b in batches}
 
         divisors = _divisors(per_replica)
