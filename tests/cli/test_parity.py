@@ -34,21 +34,6 @@ MODELS = textwrap.dedent("""
         layers = [nn.Linear(64, 64) for _ in range(3)] + [nn.Linear(64, 10)]
         return nn.Sequential(*layers), TensorSpec((64,))
 """)
-KERAS = textwrap.dedent("""
-    import keras
-
-    def cnn():
-        model = keras.Sequential([
-            keras.Input((16, 16, 3)),
-            keras.layers.Conv2D(8, 3, activation="relu", name="stem"),
-            keras.layers.Flatten(),
-            keras.layers.Dense(10, name="classifier"),
-        ])
-        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
-""")
-
 # (id, command line, library function, its keywords); "{conv}", "{blocks}" and "{keras}"
 # stand for the model files written by the fixture
 CASES = [
@@ -151,12 +136,11 @@ ISSUE_40 = (["max", "hf:meta-llama/Llama-3.2-1B", "--gpu", "RTX 4090", "--seq-le
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, keras_file):
     folder = tmp_path_factory.mktemp("parity")
     (folder / "models.py").write_text(MODELS)
-    (folder / "kmodels.py").write_text(KERAS)
     return {"conv": f"{folder}/models.py:conv", "blocks": f"{folder}/models.py:blocks",
-            "keras": f"{folder}/kmodels.py:cnn"}
+            "keras": f"{keras_file}:cnn"}
 
 
 def _both(files, argv, function, words):
