@@ -166,10 +166,10 @@ def test_guarded_run_translates_errors_and_always_removes_the_hooks(raised):
     tracer = Tracer()
     tracer.phase = Phase.BACKWARD
     hooks = [_Hook(), _Hook()]
-    with pytest.raises(Exception) if raised else contextlib.nullcontext() as caught:
-        with guarded_run(tracer, nn.Linear(2, 2), hooks):
-            if raised is not None:
-                raise raised
+    expected = pytest.raises(Exception) if raised else contextlib.nullcontext()
+    with expected as caught, guarded_run(tracer, nn.Linear(2, 2), hooks):
+        if raised is not None:
+            raise raised
     assert all(hook.removed for hook in hooks)
     if isinstance(raised, InvalidInputError):  # batchfit's own errors pass as they are
         assert caught.value is raised
