@@ -38,6 +38,7 @@ _LAZY = {
     "bench": "batchfit.speed.bench",
     "BenchResult": "batchfit.speed.bench",
     "predict_throughput": "batchfit.api",
+    "plan": "batchfit.api",
     "noise_scale": "batchfit.stats.measure",
     "NoiseScale": "batchfit.stats.estimator",
     "NoiseScaleMonitor": "batchfit.stats.monitor",

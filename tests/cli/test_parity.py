@@ -227,3 +227,16 @@ def test_both_measure_the_cpu_overhead_when_it_is_not_given(monkeypatch, files):
                   "max_batch_size", {"device": "cpu", "memory": "1GiB"})
     assert len(calls) == 2
     assert data["device"]["context_bytes"] == 50 << 20
+
+
+def test_plan_chooses_the_checkpoint_dtype_in_the_library(files):
+    """plan of a Hugging Face model without --precision / precision= trains in its
+    checkpoint's 16-bit dtype, decided by the library (the CLI alone decided it before, so
+    the library planned in fp32). Qwen3's config.json stores bfloat16; a T4 (compute
+    capability 7.5) has no bfloat16, so the step computes in float16 (amp-fp16)."""
+    data = _check(files, ["plan", *QWEN_FLAGS, "--gpus", "2xT4", "--global-batch", "4",
+                          "--strategies", "ddp", "--checkpointing", "off", "--offload", "none"],
+                  "plan", {"gpus": "2xT4", "global_batch": 4, "strategies": ["ddp"],
+                           "checkpointing": "off", "offload": "none", **QWEN_WORDS})
+    assert (data["precision"], data["precision_source"]) == ("amp-fp16", "checkpoint bfloat16")
+    assert [row["strategy"] for row in data["layouts"]] == ["ddp"]
