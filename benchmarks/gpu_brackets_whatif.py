@@ -74,7 +74,7 @@ import gpu_brackets  # noqa: E402
 from batchfit.device import allocator as allocator_module  # noqa: E402
 from batchfit.device import expandable as expandable_module  # noqa: E402
 from batchfit.device import timeline  # noqa: E402
-from batchfit.device.allocator import AllocatorOutOfMemory  # noqa: E402
+from batchfit.device.allocator_rules import AllocatorOutOfMemory  # noqa: E402
 from batchfit.engine.tracer import Event, EventKind  # noqa: E402
 
 WHAT_IFS = ("reverse-addresses", "no-workspace", "sticky-workspace", "no-norm-copy",

@@ -2,6 +2,9 @@
 small Llama (tests/speed/plan_reference.py's, 128 tokens, 8 x H100 SXM, amp-bf16), old src
 against new, each in a fresh process: ZeRO-2, ZeRO-3, then DDP, at micro-batches 1, 2, 4.
 
+How it asks batchfit: through the planner's rank traces (a speed harness of the engine, not
+an answer for users).
+
 Before, importing DeepSpeed left ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` set, and torch's fake
 tensors then loaded libnvidia-ml on every op their cache missed, in every later trace.
 

@@ -89,6 +89,7 @@ SPEED = {
     "llm_speed.py": "wall time and RSS of the LLM commands in fresh processes",
     "plan_speed.py": "wall time of batchfit plan in fresh processes",
     "plan_traces.py": "each trace of plan timed, through the planner's internals",
+    "plan_trace_loads.py": "library loads and seconds per plan trace, old src against new",
     "search_speed.py": "where a CPU batchfit search spends its wall time",
     "noise_overhead.py": "the cost of NoiseScaleMonitor in a training loop",
 }

@@ -39,6 +39,7 @@ _LAZY = {
     "BenchResult": "batchfit.speed.bench",
     "predict_throughput": "batchfit.api",
     "serve": "batchfit.api",
+    "plan": "batchfit.api",
     "noise_scale": "batchfit.stats.measure",
     "NoiseScale": "batchfit.stats.estimator",
     "NoiseScaleMonitor": "batchfit.stats.monitor",

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,31 +17,6 @@ from batchfit.cli import app
 
 runner = CliRunner()
 SRC = Path(__file__).resolve().parents[2] / "src"
-
-KERAS_FILE = textwrap.dedent("""
-    import keras
-
-    def cnn():
-        model = keras.Sequential([
-            keras.Input((16, 16, 3)),
-            keras.layers.Conv2D(8, 3, activation="relu", name="stem"),
-            keras.layers.Flatten(),
-            keras.layers.Dense(10, name="classifier"),
-        ])
-        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
-
-    def uncompiled():
-        return keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
-""")
-
-
-@pytest.fixture()
-def keras_file(tmp_path):
-    path = tmp_path / "kmodels.py"
-    path.write_text(KERAS_FILE)
-    return path
 
 
 def invoke(*args: str):

@@ -34,21 +34,6 @@ MODELS = textwrap.dedent("""
         layers = [nn.Linear(64, 64) for _ in range(3)] + [nn.Linear(64, 10)]
         return nn.Sequential(*layers), TensorSpec((64,))
 """)
-KERAS = textwrap.dedent("""
-    import keras
-
-    def cnn():
-        model = keras.Sequential([
-            keras.Input((16, 16, 3)),
-            keras.layers.Conv2D(8, 3, activation="relu", name="stem"),
-            keras.layers.Flatten(),
-            keras.layers.Dense(10, name="classifier"),
-        ])
-        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
-""")
-
 # (id, command line, library function, its keywords); "{conv}", "{blocks}" and "{keras}"
 # stand for the model files written by the fixture
 CASES = [
@@ -173,12 +158,11 @@ ISSUE_40 = (["max", "hf:meta-llama/Llama-3.2-1B", "--gpu", "RTX 4090", "--seq-le
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, keras_file):
     folder = tmp_path_factory.mktemp("parity")
     (folder / "models.py").write_text(MODELS)
-    (folder / "kmodels.py").write_text(KERAS)
     return {"conv": f"{folder}/models.py:conv", "blocks": f"{folder}/models.py:blocks",
-            "keras": f"{folder}/kmodels.py:cnn"}
+            "keras": f"{keras_file}:cnn"}
 
 
 def _both(files, argv, function, words):
@@ -297,3 +281,16 @@ def test_both_measure_the_cpu_overhead_when_it_is_not_given(monkeypatch, files):
                   "max_batch_size", {"device": "cpu", "memory": "1GiB"})
     assert len(calls) == 2
     assert data["device"]["context_bytes"] == 50 << 20
+
+
+def test_plan_chooses_the_checkpoint_dtype_in_the_library(files):
+    """plan of a Hugging Face model without --precision / precision= trains in its
+    checkpoint's 16-bit dtype, decided by the library (the CLI alone decided it before, so
+    the library planned in fp32). Qwen3's config.json stores bfloat16; a T4 (compute
+    capability 7.5) has no bfloat16, so the step computes in float16 (amp-fp16)."""
+    data = _check(files, ["plan", *QWEN_FLAGS, "--gpus", "2xT4", "--global-batch", "4",
+                          "--strategies", "ddp", "--checkpointing", "off", "--offload", "none"],
+                  "plan", {"gpus": "2xT4", "global_batch": 4, "strategies": ["ddp"],
+                           "checkpointing": "off", "offload": "none", **QWEN_WORDS})
+    assert (data["precision"], data["precision_source"]) == ("amp-fp16", "checkpoint bfloat16")
+    assert [row["strategy"] for row in data["layouts"]] == ["ddp"]

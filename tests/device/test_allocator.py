@@ -16,13 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfit.device.allocator import (
-    NULL_HANDLE,
     AllocatorConfig,
-    AllocatorOutOfMemory,
     AllocEvent,
     CachingAllocator,
     FreeEvent,
     replay,
+)
+from batchfit.device.allocator_rules import (
+    NULL_HANDLE,
+    AllocatorOutOfMemory,
     round_size,
     segment_size,
 )
@@ -735,3 +737,41 @@ def test_layout_lists_segments_in_address_order():
     b.free(y), b.free(x)
     assert a.layout({}) == ((False, ((20 * MiB, None),)), (False, ((30 * MiB, None),)))
     assert b.layout({}) == ((False, ((30 * MiB, None),)), (False, ((20 * MiB, None),)))
+
+
+# --- where the rules are imported from ----------------------------------------------------
+
+def _imports_from(source: str, module: str) -> list[tuple[int, str]]:
+    """(line, name) of every ``from module import name`` in ``source``."""
+    import ast
+
+    return [(node.lineno, alias.name) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and node.module == module
+            for alias in node.names]
+
+
+def test_the_rules_are_imported_from_allocator_rules_and_allocator_reexports_none():
+    # allocator.py used to re-export the names moved to allocator_rules.py (review debt
+    # D1): every caller imports them from allocator_rules, and allocator.py imports only
+    # the ones its own code uses.
+    import ast
+    from pathlib import Path
+
+    from batchfit.device import allocator
+    from batchfit.device import allocator_rules as rules
+
+    root = Path(__file__).resolve().parents[2]
+    defined = {name for name in vars(rules) if not name.startswith("__")}
+    through_allocator = [
+        f"{path.relative_to(root)}:{line} {name}"
+        for folder in ("src", "tests", "benchmarks", "examples")
+        for path in sorted((root / folder).rglob("*.py")) if ".timm" not in path.parts
+        for line, name in _imports_from(path.read_text(encoding="utf-8"),
+                                        "batchfit.device.allocator")
+        if name in defined]
+    assert through_allocator == []
+    source = Path(allocator.__file__).read_text(encoding="utf-8")
+    used = {node.id for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Name)}
+    unused = [name for _, name in _imports_from(source, "batchfit.device.allocator_rules")
+              if name not in used]
+    assert unused == []

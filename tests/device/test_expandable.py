@@ -15,12 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchfit.device.allocator import (
-    NULL_HANDLE,
-    AllocatorOutOfMemory,
-    CachingAllocator,
-    round_size,
-)
+from batchfit.device.allocator import CachingAllocator
+from batchfit.device.allocator_rules import NULL_HANDLE, AllocatorOutOfMemory, round_size
 from batchfit.device.expandable import ExpandableAllocator
 from batchfit.errors import InvalidInputError
 

@@ -4,6 +4,7 @@ from the same pass, with the same workload, stack and CUDA emulation as the memo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections import Counter
@@ -18,6 +19,7 @@ sys.path.insert(0, str(HERE))  # driver_reference: the cases and their digest
 import driver_reference
 
 from batchfit.engine.spec import TrainConfig
+from batchfit.errors import InvalidInputError, ModelForwardError
 from batchfit.speed.op_costs import trace_op_costs, trace_step_and_costs
 
 REFERENCE = json.loads((HERE / "driver_reference.json").read_text())
@@ -146,3 +148,32 @@ def test_keras_op_costs_come_from_the_driver():
     ops = trace_op_costs(driver_reference._keras_cnn, None, 8, TrainConfig())
     assert any(op.kind.value.startswith("conv") for op in ops)
     assert all(isinstance(op.flops, int) for op in ops)
+
+
+class _Hook:
+    removed = False
+
+    def remove(self):
+        self.removed = True
+
+
+@pytest.mark.parametrize("raised", [None, RuntimeError("boom"), InvalidInputError("bad")])
+def test_guarded_run_translates_errors_and_always_removes_the_hooks(raised):
+    # the one wrapper the torch driver and the Keras runner share (review debt D5)
+    from batchfit.engine.step_trace import guarded_run
+    from batchfit.engine.tracer import Phase, Tracer
+
+    tracer = Tracer()
+    tracer.phase = Phase.BACKWARD
+    hooks = [_Hook(), _Hook()]
+    expected = pytest.raises(Exception) if raised else contextlib.nullcontext()
+    with expected as caught, guarded_run(tracer, nn.Linear(2, 2), hooks):
+        if raised is not None:
+            raise raised
+    assert all(hook.removed for hook in hooks)
+    if isinstance(raised, InvalidInputError):  # batchfit's own errors pass as they are
+        assert caught.value is raised
+    elif raised is not None:  # the model's error becomes one line naming the phase
+        assert isinstance(caught.value, ModelForwardError)
+        assert str(caught.value).startswith("the backward phase raised RuntimeError")
+        assert caught.value.__cause__ is raised

@@ -479,6 +479,18 @@ def test_hf_builds_in_the_default_dtype_not_the_checkpoint_dtype():
     assert next(model.parameters()).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize(("name", "stored"), [
+    ("hf:llama-2-7b", "float16"), ("llama-2-7b", "float16"),  # config.json: torch_dtype
+    ("hf:qwen2.5-0.5b", "bfloat16"), ("Qwen/Qwen2.5-0.5B", "bfloat16"),
+    ("hf:gpt2", None),  # gpt2's config.json has no torch_dtype
+    ("torchvision:resnet18", None),  # not a Hugging Face checkpoint
+])
+def test_the_spec_records_the_checkpoint_dtype_with_or_without_the_hf_prefix(name, stored):
+    # plan trains a 16-bit checkpoint in its dtype; a bare name is the same model as hf:NAME,
+    # so it carries the same stored dtype (the CLI looked it up for hf: names only)
+    assert resolve_model(name).checkpoint_dtype == stored
+
+
 def test_hf_unknown_name_suggests_and_explains():
     with pytest.raises(ModelSpecError) as exc_info:
         resolve_model("hf:meta-llama/Llama-2-7b-hg")

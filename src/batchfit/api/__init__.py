@@ -17,10 +17,12 @@ from batchfit.api.answers import (
     estimate_words,
     max_batch_words,
     max_seq_len_words,
+    plan_words,
     predict_throughput_words,
 )
 
-__all__ = ["Answer", "estimate", "max_batch_size", "max_seq_len", "predict_throughput", "serve"]
+__all__ = ["Answer", "estimate", "max_batch_size", "max_seq_len", "plan", "predict_throughput",
+           "serve"]
 
 
 def estimate(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -117,3 +119,20 @@ def serve(model: str, **kwargs: Any) -> Any:
     from batchfit.api.serving import serve_words
 
     return serve_words(model, **kwargs)
+
+
+def plan(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """Multi-GPU layouts of a global batch ranked by predicted step time, with memory per GPU.
+
+    ``plan(model, inputs, config=None, *, gpus=..., global_batch=..., ...)`` with a module
+    or factory (:func:`batchfit.speed.plan.plan`); ``plan("hf:meta-llama/Meta-Llama-3-8B",
+    gpus="8xH100 SXM", global_batch=64, seq_len=2048)`` with a spec string and the names of
+    ``batchfit plan`` (:func:`batchfit.api.answers.plan_words`, an :class:`Answer`; a 16-bit
+    Hugging Face checkpoint trains in mixed precision in its dtype unless ``precision=``
+    says otherwise).
+    """
+    if isinstance(model, str):
+        return plan_words(model, *args, **kwargs)
+    from batchfit.speed.plan import plan as plan_module
+
+    return plan_module(model, *args, **kwargs)

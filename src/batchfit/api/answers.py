@@ -244,3 +244,72 @@ def predict_throughput_words(model: str, *, gpu: str, memory: str | None = None,
     result = predict_throughput(step.spec.factory, step.inputs, step.config, gpu=card,
                                 batches=batches, dataset_size=dataset_size)
     return Answer(model, result, choices, tuple(notes))
+
+
+#: The step's options ``plan`` takes (it chooses checkpointing itself, per layout).
+PLAN_STEP_WORDS = ("input_shape", "seq_len", "optimizer", "precision", "model_kwargs")
+
+
+def plan_words(model: str, *, gpus: str, global_batch: int, nodes: int = 1,
+               strategies: str | list[str] | None = None, tp: str | list[int] | None = None,
+               checkpointing: str = "auto", offload: str = "auto",
+               network_gbs: float | None = None, on_status: StatusFn | None = None,
+               **words: Any) -> Answer:
+    """Multi-GPU layouts of ``global_batch`` samples per optimizer step of the model named
+    ``model`` on ``gpus`` (``"8xH100 SXM"``), ranked by predicted step time, as ``batchfit
+    plan`` asks it (:func:`batchfit.speed.plan.plan`). ``strategies``: the strategies to
+    try (a list or ``"ddp,fsdp"``); ``tp``: tensor-parallel degrees to try with FSDP (a
+    list or ``"2,4"``); ``checkpointing``: off, on or auto; ``offload``: none or auto;
+    ``network_gbs``: the network between nodes per GPU, GB/s each way. ``words``: the step's
+    and the stack's options as keywords.
+
+    Without ``precision``, a Hugging Face model whose checkpoint is stored in 16 bits trains
+    in mixed precision in that dtype (amp-bf16; amp-fp16 on a card without bfloat16), as
+    :func:`batchfit.speed.plan.plan_precision` decides from the model's stored dtype; the
+    answer's ``precision_source`` says where the precision came from.
+    """
+    from batchfit.speed.plan import plan
+
+    step_words, stack = _split(words, PLAN_STEP_WORDS, STACK_WORDS)
+    step = resolve_step(model, checkpointing=False, **step_words, **stack_settings(**stack))
+    on_layout = None if on_status is None else lambda label: on_status(f"{model}: {label}")
+    result = plan(step.spec.factory, step.inputs, step.config, gpus=gpus,
+                  global_batch=global_batch, nodes=nodes,
+                  strategies=_names(strategies), tp_degrees=_degrees(tp),
+                  checkpointing=_checkpointing(checkpointing),
+                  offload=str(offload).strip().lower(),
+                  network_bytes_per_s=network_gbs * 1e9 if network_gbs else None,
+                  precision=step_words.get("precision"),
+                  checkpoint_dtype=step.spec.checkpoint_dtype, on_layout=on_layout)
+    return Answer(model, result)
+
+
+def _names(value: str | list[str] | None) -> list[str] | None:
+    """``"ddp, fsdp"`` or a list -> the names; None or nothing: None (the defaults)."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = [str(item).strip() for item in items if str(item).strip()]
+    return names or None
+
+
+def _degrees(value: str | list[int] | None) -> list[int]:
+    """``"2,4"`` or a list -> positive integers; one line naming the option otherwise."""
+    if value is None or value == "":
+        return []
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        degrees = [int(str(item).strip()) for item in items if str(item).strip()]
+    except ValueError:
+        degrees = []
+    if not degrees or any(d < 1 for d in degrees):
+        raise InvalidInputError(f"bad {option('tp', value)}: give positive integers, e.g. 2,4")
+    return degrees
+
+
+def _checkpointing(value: str | bool) -> str:
+    """off, on or auto; True and False (as the other answers take ``checkpointing``) stand
+    for on and off."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value).strip().lower()

@@ -122,7 +122,9 @@ MULTI_OPTIONS = ("world_size", "strategy", "offload", "tp", "nodes", "rank", "wr
 #: Options a command declares itself (their meaning differs by command), by keyword.
 OWN_FLAGS = {"batch_size": "--batch-size", "memory": "--memory", "margin": "--margin",
              "max_batch_limit": "--max-batch-limit", "snapshot": "--snapshot",
-             "dataset_size": "--dataset-size", "batches": "--batches"}
+             "dataset_size": "--dataset-size", "batches": "--batches", "gpus": "--gpus",
+             "global_batch": "--global-batch", "strategies": "--strategies",
+             "network_gbs": "--network-gbs"}
 
 #: keyword -> flag: how a library message names an option on the command line.
 FLAGS = {**{keyword: info.param_decls[0].split("/")[0]

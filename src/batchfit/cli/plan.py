@@ -12,7 +12,6 @@ from batchfit.cli.common import emit_json, errors, out
 from batchfit.cli.options import STACK_OPTIONS, ModelArg, option, takes
 from batchfit.cli.progress import progress
 from batchfit.cli.root import app
-from batchfit.errors import InvalidInputError
 
 
 @app.command("plan")
@@ -39,30 +38,15 @@ def plan_cmd(
     """Rank multi-GPU layouts of a global batch by predicted step time, with memory per GPU."""
     with errors(debug):
         outputs.check_outputs(html, None)
-        from batchfit.api.step import resolve_step, stack_settings
+        from batchfit.api.answers import plan_words
 
-        settings = stack_settings(**{key: words.pop(key) for key in STACK_OPTIONS})
         with progress("plan", f"resolving {model}") as status:
-            step = resolve_step(model, checkpointing=False, **words, **settings)
-            from batchfit.models.resolve import checkpoint_dtype
-            from batchfit.speed.plan import plan
-
-            def on_layout(label: str) -> None:
-                status.update(f"{model}: {label}")
-
-            result = plan(step.spec.factory, step.inputs, step.config, gpus=gpus, global_batch=global_batch,
-                          nodes=nodes,
-                          strategies=[s.strip() for s in strategies.split(",") if s.strip()]
-                          if strategies else None,
-                          tp_degrees=_int_list(tp_degrees, "--tp"),
-                          checkpointing=checkpointing_policy.strip().lower(),
-                          offload=offload_policy.strip().lower(),
-                          network_bytes_per_s=network_gbs * 1e9 if network_gbs else None,
-                          precision=words.get("precision"),
-                          checkpoint_dtype=checkpoint_dtype(model)
-                          if model.strip().startswith("hf:") else None,
-                          on_layout=on_layout)
-        data = {"model": model, **result.to_dict()}
+            answer = plan_words(model, gpus=gpus, global_batch=global_batch, nodes=nodes,
+                                strategies=strategies, tp=tp_degrees,
+                                checkpointing=checkpointing_policy, offload=offload_policy,
+                                network_gbs=network_gbs, on_status=status.update, **words)
+        result = answer.result
+        data = answer.to_dict()
         written = outputs.write_answer_report(
             "plan", data, f"batchfit plan {model} on {gpus}, global batch {global_batch}", html)
         if as_json:
@@ -74,14 +58,3 @@ def plan_cmd(
         for line in written:
             out.print(line, soft_wrap=True, highlight=False)
 
-
-def _int_list(text: str | None, option: str) -> list[int]:
-    if not text:
-        return []
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise InvalidInputError(f"bad {option} {text!r}: give positive integers, e.g. 2,4")
-    return values

@@ -63,12 +63,10 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from batchfit.device.allocator_rules import (  # noqa: F401 - re-exported: the allocator's API
+from batchfit.device.allocator_rules import (
     LARGE_BUFFER_BYTES,
     MIN_BLOCK_BYTES,
-    MIN_LARGE_ALLOC_BYTES,
     NULL_HANDLE,
-    ROUND_LARGE_BYTES,
     SMALL_BUFFER_BYTES,
     SMALL_SIZE_BYTES,
     AllocatorOutOfMemory,

@@ -50,7 +50,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from batchfit.device.allocator import AllocatorOutOfMemory, CachingAllocator
+from batchfit.device.allocator import CachingAllocator
+from batchfit.device.allocator_rules import AllocatorOutOfMemory
 from batchfit.device.profile import DeviceProfile
 from batchfit.device.timeline import _loop, _setup_end, loop_steps, needed_bytes
 from batchfit.engine.tracer import Event, EventKind

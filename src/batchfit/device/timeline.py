@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from batchfit.device.allocator import AllocatorOutOfMemory
+from batchfit.device.allocator_rules import AllocatorOutOfMemory
 from batchfit.device.profile import DeviceProfile
 from batchfit.engine.trace import alive_at_end
 from batchfit.engine.tracer import Category, Event, EventKind, Phase

@@ -39,7 +39,7 @@ from batchfit.engine.prepare import (
     module_preparer,
 )
 from batchfit.engine.spec import TrainConfig
-from batchfit.engine.step_trace import StepTrace, alive_at_end, as_setup, translate_error
+from batchfit.engine.step_trace import StepTrace, alive_at_end, as_setup, guarded_run
 from batchfit.engine.target import Target
 from batchfit.engine.tracer import Category, Event, Phase, Tracer
 
@@ -72,7 +72,7 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
         normalize_input_spec,
         torch_dtype,
     )
-    from batchfit.errors import BatchfitError, InvalidInputError
+    from batchfit.errors import InvalidInputError
 
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise InvalidInputError(f"batch size must be a positive integer, not {batch_size!r}")
@@ -140,7 +140,7 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
         setup_end = len(tracer.events)
         marks: list[int] = []
         emulation_ctx = emulation if emulation is not None else contextlib.nullcontext()
-        try:
+        with guarded_run(tracer, twin, grad_hooks):
             with fake_mode, emulation_ctx, tracer, _library_context(config, device), \
                     observing(observers):
                 if transform is not None:
@@ -182,13 +182,6 @@ def drive_step(model: Any, inputs: Any, batch_size: int, config: TrainConfig, de
                             observing(observers):
                         _trace_optimizer(runner, tracer, marks, observers)
                         end = len(tracer.events)
-        except BatchfitError:
-            raise
-        except Exception as exc:
-            raise translate_error(exc, tracer, twin, tracer.phase) from exc
-        finally:
-            for hook in grad_hooks:
-                hook.remove()
     events = tuple(tracer.events)
     if reuse is not None and tracer.host_backed_bytes:
         reuse.host_backed_bytes = tracer.host_backed_bytes

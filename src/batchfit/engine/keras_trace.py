@@ -17,7 +17,7 @@ from batchfit.engine import _torch_internals as ti
 from batchfit.engine.observers import StepObserver, observing
 from batchfit.engine.prepare import TraceReuse
 from batchfit.engine.spec import TrainConfig
-from batchfit.engine.step_trace import SHAPE_WORDS, StepTrace, translate_error
+from batchfit.engine.step_trace import SHAPE_WORDS, StepTrace, guarded_run
 from batchfit.engine.target import Target
 from batchfit.engine.tracer import Category, Phase, Tracer
 
@@ -94,7 +94,6 @@ def trace_keras_step(base: Any, is_users: bool, inputs: Any, batch_size: int,
     step, which is the steady one."""
     from batchfit.engine import keras_step
     from batchfit.engine.spec import Mode
-    from batchfit.errors import BatchfitError
 
     meta, spec, targets = prepared_keras(base, is_users, inputs, config, reuse)
     training = config.mode is Mode.TRAIN
@@ -131,22 +130,15 @@ def trace_keras_step(base: Any, is_users: bool, inputs: Any, batch_size: int,
             lambda q: tracer.retag(q.grad, Category.GRADIENTS)) for v in state.trainable]
         tracer.watch_module(meta, keras_step.layer_paths(meta))
         emulation_ctx = emulation if emulation is not None else contextlib.nullcontext()
-        try:
-            with fake_mode, emulation_ctx, tracer, keras_step.trace_device(device.is_cuda), \
-                    keras_step.garbage_collected_per_layer(meta), observing(observers):
-                if training:
-                    runner.train_step()
-                else:
-                    runner.infer_step()
-                end = len(tracer.events)
-        except BatchfitError:
-            raise
-        except Exception as exc:
-            raise translate_error(exc, tracer, meta, tracer.phase) from exc
-        finally:
-            for hook in grad_hooks:
-                hook.remove()
-            del runner, batch
+        with guarded_run(tracer, meta, grad_hooks), fake_mode, emulation_ctx, tracer, \
+                keras_step.trace_device(device.is_cuda), \
+                keras_step.garbage_collected_per_layer(meta), observing(observers):
+            if training:
+                runner.train_step()
+            else:
+                runner.infer_step()
+            end = len(tracer.events)
+        del runner, batch
         counts = ([v.value.numel() for v in state.trainable],
                   [v.value.numel() for v in state.non_trainable])
     steady = tuple(tracer.events[:end])

@@ -7,8 +7,10 @@ from :class:`batchfit.engine.tracer.Tracer`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from torch import nn
 
@@ -91,6 +93,25 @@ def translate_error(exc: BaseException, tracer: Tracer, model: nn.Module, phase:
     return ModelForwardError(
         f"the {phase.value} phase raised {type(exc).__name__} in {where}{at_op}: {first_line}",
         module, op)
+
+
+@contextlib.contextmanager
+def guarded_run(tracer: Tracer, model: Any, hooks: Sequence[Any] = ()) -> Iterator[None]:
+    """Around the traced run of a step, for every preparer (a torch module, a Keras model):
+    an error the model raises becomes :func:`translate_error`'s one line, at the phase the
+    tracer is in (batchfit's own errors pass as they are), and ``hooks`` (the gradient
+    hooks that tag gradients) are removed however the run ends, so the model keeps none."""
+    from batchfit.errors import BatchfitError
+
+    try:
+        yield
+    except BatchfitError:
+        raise
+    except Exception as exc:
+        raise translate_error(exc, tracer, model, tracer.phase) from exc
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def as_setup(events: tuple[Event, ...]) -> tuple[Event, ...]:

@@ -35,6 +35,9 @@ class ModelSpec:
         hf_task: the head a ``transformers`` model is built with; None for other models.
         hf_task_chosen: the head was chosen from the config (no ``task=`` given), so a
             caller says which.
+        checkpoint_dtype: the dtype a Hugging Face model's checkpoint is stored in (its
+            config's ``torch_dtype``: ``"bfloat16"``, ``"float16"``, ``"float32"``); None for
+            other models, or when the config does not say.
     """
 
     name: str
@@ -49,6 +52,7 @@ class ModelSpec:
     keras_compiled: bool | None = None
     hf_task: HFTask | None = None
     hf_task_chosen: bool = False
+    checkpoint_dtype: str | None = None
 
 
 class HFTask(StrEnum):

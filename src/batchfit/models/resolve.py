@@ -480,6 +480,10 @@ def checkpoint_dtype(name: str) -> str | None:
     source = _hf_source(str(name).strip().removeprefix("hf:"))
     if source is None:
         raise _unknown_hf_error(name)
+    return _stored_dtype(source)
+
+
+def _stored_dtype(source: _HFSource) -> str | None:
     value = source.config.get("torch_dtype") or source.config.get("dtype")
     return str(value).removeprefix("torch.") if value else None
 
@@ -504,7 +508,7 @@ def _hf_spec(user_spec: str, source: _HFSource, kwargs: dict[str, Any],
                      input_spec=_hf_input_spec(config, task, vocab_size, default_len),
                      is_token_model=True, vocab_size=vocab_size, default_seq_len=default_len,
                      hf_labels=True, max_positions=_max_positions(config), hf_task=task,
-                     hf_task_chosen=task_arg is None)
+                     hf_task_chosen=task_arg is None, checkpoint_dtype=_stored_dtype(source))
 
 
 def _hf_config(transformers: Any, source: _HFSource, overrides: Mapping[str, Any]) -> Any:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Self
 
 from batchfit.engine.spec import Precision, TrainConfig, make_config, parse_enum
-from batchfit.errors import BatchfitError, InvalidInputError
+from batchfit.errors import BatchfitError, InvalidInputError, option
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: Strategies a plan tries by default (HSDP joins them on more than one node).
@@ -113,7 +113,8 @@ def parse_gpus(text: str) -> tuple[int, str]:
     match = re.fullmatch(r"\s*(\d+)\s*[x×*]\s*(.+?)\s*", str(text))
     if not match or int(match.group(1)) < 1:
         raise InvalidInputError(
-            f"malformed --gpus {text!r}: write the count and the card, e.g. 8x\"H100 SXM\"")
+            f"malformed {option('gpus', text)}: write the count and the card, "
+            f"e.g. 8x\"H100 SXM\"")
     return int(match.group(1)), match.group(2)
 
 
@@ -166,7 +167,8 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
     chosen, source = plan_precision(precision, checkpoint_dtype, config.precision, card)
     config = replace(config, precision=chosen)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise InvalidInputError(f"--global-batch must be a positive integer, not {global_batch!r}")
+        raise InvalidInputError(f"{option('global_batch')} must be a positive integer, "
+                                f"not {global_batch!r}")
     if checkpointing not in ("off", "on", "auto") or offload not in ("none", "auto"):
         raise InvalidInputError("checkpointing is off, on or auto; offload is none or auto")
     Parallelism(world_size=count, nodes=nodes)  # checks the world and the nodes
