@@ -14,33 +14,19 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
-from tests.cli.test_cli_llm import TINY
-from tests.engine.test_workloads import LAYERS, SPEC, H, I, _cpu, tiny_llama
+from tests.engine.test_workloads import LAYERS, SPEC, H, I, _cpu, live_before, tiny_llama
 
 from batchfit.engine.spec import TrainConfig
 from batchfit.engine.trace import trace_step
-from batchfit.engine.tracer import EventKind, Phase
+from batchfit.engine.tracer import Phase
 
 BATCH, SEQ = 2, SPEC["input_ids"].shape[0]
-
-
-def _live_when_backward_starts(trace) -> int:
-    """Bytes alive after forward and loss, from the steady step's events."""
-    live: dict[int, int] = {}
-    for event in trace.steady_events:
-        if event.phase is Phase.BACKWARD:
-            break
-        if event.kind is EventKind.ALLOC:
-            live[event.key] = event.nbytes
-        elif event.kind is EventKind.FREE:
-            live.pop(event.key, None)
-    return sum(live.values())
 
 
 def _live(version: str | None) -> int:
     config = TrainConfig(lora="r=8,targets=q_proj", quant="nf4", precision="fp32",
                          checkpointing=False, bitsandbytes_version=version)
-    return _live_when_backward_starts(trace_step(tiny_llama, SPEC, BATCH, config, _cpu()))
+    return live_before(trace_step(tiny_llama, SPEC, BATCH, config, _cpu()), Phase.BACKWARD)
 
 
 def test_an_old_release_keeps_each_4bit_input_nothing_else_keeps():

@@ -315,11 +315,12 @@ def test_transformers_version_loss_by_hand():
         TrainConfig(transformers_version="4.46", loss="chunked")
 
 
-def _live_at_end_of_forward(trace) -> int:
-    """Live bytes when the steady step's backward begins."""
+def live_before(trace, phase: Phase) -> int:
+    """Live bytes when the steady step first enters ``phase`` (``Phase.FORWARD``: what the
+    previous step left; ``Phase.BACKWARD``: the end of forward and loss)."""
     live: dict[int, int] = {}
     for e in trace.steady_events:
-        if e.phase is Phase.BACKWARD:
+        if e.phase is phase:
             break
         if e.kind is EventKind.ALLOC:
             live[e.key] = e.nbytes
@@ -343,8 +344,9 @@ def test_old_bitsandbytes_keeps_each_4bit_input_by_hand():
                   quant="nf4")
     kept = (LAYERS * (H + H + I) - H) * b * s * 2
     for device in (_cpu(), _gpu()):
-        live = {v: _live_at_end_of_forward(trace_step(tiny_llama, SPEC, b, TrainConfig(
-            **config, bitsandbytes_version=v), device)) for v in (None, "0.41.1", "0.43.2")}
+        live = {v: live_before(trace_step(tiny_llama, SPEC, b, TrainConfig(
+            **config, bitsandbytes_version=v), device), Phase.BACKWARD)
+                for v in (None, "0.41.1", "0.43.2")}
         assert live["0.41.1"] - live[None] == kept
         assert live["0.43.2"] == live[None]
 
@@ -367,19 +369,6 @@ def test_bitsandbytes_before_050_always_dequantizes_in_forward():
         TrainConfig(lora="r=8", bitsandbytes_version="0.41.1")
 
 
-def _live_when_forward_begins(trace) -> int:
-    """Live bytes when the steady step's forward begins (what the previous step left)."""
-    live: dict[int, int] = {}
-    for e in trace.steady_events:
-        if e.phase is Phase.FORWARD:
-            break
-        if e.kind is EventKind.ALLOC:
-            live[e.key] = e.nbytes
-        elif e.kind is EventKind.FREE:
-            live.pop(e.key, None)
-    return sum(live.values())
-
-
 def test_a_held_loss_keeps_old_bitsandbytes_inputs_into_the_next_step_by_hand():
     # litgpt's loop (finetune/lora.py) keeps `logits` and `loss` until the next step's
     # replace them;
@@ -392,8 +381,8 @@ def test_a_held_loss_keeps_old_bitsandbytes_inputs_into_the_next_step_by_hand():
     config = dict(recipe="litgpt", lora="r=8,alpha=16,dropout=0.05,targets=q_proj+v_proj",
                   quant="nf4")
     left = (LAYERS * (H + H + H + I) - H) * b * s * 2
-    live = {(v, held): _live_when_forward_begins(trace_step(tiny_llama, SPEC, b, TrainConfig(
-        **config, bitsandbytes_version=v, holds_loss=held), _cpu()))
+    live = {(v, held): live_before(trace_step(tiny_llama, SPEC, b, TrainConfig(
+        **config, bitsandbytes_version=v, holds_loss=held), _cpu()), Phase.FORWARD)
         for v in (None, "0.41.1") for held in (None, False)}
     assert TrainConfig(**config).holds_loss is True  # the litgpt recipe's loop
     assert live[("0.41.1", None)] - live[(None, None)] == left
