@@ -92,6 +92,7 @@ SPEED = {
     "plan_trace_loads.py": "library loads and seconds per plan trace, old src against new",
     "search_speed.py": "where a CPU batchfit search spends its wall time",
     "noise_overhead.py": "the cost of NoiseScaleMonitor in a training loop",
+    "replay_speed.py": "the allocator replay against the trace that makes its events",
 }
 
 #: Tools the benchmarks share; they produce no figure of their own.

@@ -9,7 +9,6 @@ would remain), never copied from the code's output.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -386,21 +385,6 @@ def test_replay_reports_the_event_that_ran_out_of_memory():
 def test_replay_rejects_inconsistent_events(events, match):
     with pytest.raises(InvalidInputError, match=match):
         replay(events)
-
-
-def test_replay_of_10k_events_is_fast():
-    # A mixed workload: blocks of 3 small/large sizes kept alive for 50 events.
-    sizes = [4 * KiB, 3 * MiB, 24 * MiB + 7]
-    events = []
-    for i in range(5000):
-        events.append(AllocEvent(i, sizes[i % 3] + i))
-        if i >= 50:
-            events.append(FreeEvent(i - 50))
-    start = time.perf_counter()
-    replay(events)
-    elapsed_s = time.perf_counter() - start
-    # Measured about 25 ms here; 0.2 s is the budget, with room for a busy CI host.
-    assert elapsed_s < 0.2
 
 
 # --- properties -------------------------------------------------------------------------
