@@ -233,6 +233,25 @@ def test_serve_names_an_unknown_keyword():
         batchfit.serve("hf:Qwen/Qwen2.5-0.5B", gpu="L4", max_num_batched_token=256)
 
 
+@pytest.mark.parametrize(("words", "line"), [
+    ({"kv_dtype": "int3"}, "unknown kv_dtype 'int3': use auto, fp16, bf16 or fp8"),
+    ({"max_model_len": 40000}, "max_model_len=40000 is above hf:Qwen/Qwen2.5-0.5B's context "
+                               "of 32768 tokens (max_position_embeddings): use "
+                               "max_model_len=32768 or less"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization=1.5 must be in (0, 1]"),
+    ({"block_size": 0}, "block_size must be a positive integer, not 0"),
+    ({"engine": "tgi"}, "unknown engine 'tgi': use vllm or hf"),
+])
+def test_serve_names_keywords_to_a_python_caller(words, line):
+    """A Python caller reads its own keywords (before: the command's flags, --kv-dtype...);
+    the command line keeps its flags (tests/answers/test_serve.py)."""
+    from batchfit.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError) as info:
+        batchfit.serve("hf:Qwen/Qwen2.5-0.5B", gpu="L4", **words)
+    assert line in str(info.value) and "--" not in str(info.value)
+
+
 def test_qlora_defaults_reach_the_library():
     """quant= switches the library's step to amp-bf16 with checkpointing, as --quant did on
     the CLI alone (before, the library ran fp32 without checkpointing)."""

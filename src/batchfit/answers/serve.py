@@ -50,7 +50,7 @@ from batchfit.answers.kvcache import (
     plan_blocks,
 )
 from batchfit.device.profile import DeviceProfile, resolve_device
-from batchfit.errors import InvalidInputError
+from batchfit.errors import InvalidInputError, option
 
 GiB = 1 << 30
 #: vLLM 0.6's measured non-torch memory on one RTX 3090 (vllm-project/vllm#10517).
@@ -170,7 +170,7 @@ _BF16_FROM_CC = (8, 0)
 
 
 def _serving_dtype(model: str, dtype: str, profile: DeviceProfile) -> tuple[str, str | None]:
-    """``--dtype``: the dtype served and a note where ``auto`` left the checkpoint's.
+    """``dtype``: the dtype served and a note where ``auto`` left the checkpoint's.
 
     ``auto`` is the checkpoint's dtype, float16 for float32 checkpoints; a bfloat16
     checkpoint on a card without bfloat16 is served in float16, as vLLM's
@@ -184,13 +184,13 @@ def _serving_dtype(model: str, dtype: str, profile: DeviceProfile) -> tuple[str,
 
     chosen = _DTYPES.get(str(dtype).lower(), "invalid")
     if chosen == "invalid":
-        raise InvalidInputError(f"unknown --dtype {dtype!r}: use auto, bf16, fp16 or fp32")
+        raise InvalidInputError(f"unknown {option('dtype')} {dtype!r}: use auto, bf16, fp16 or fp32")
     cc = profile.compute_capability
     has_bf16 = cc is None or tuple(cc) >= _BF16_FROM_CC
     if chosen == "bfloat16" and not has_bf16:
         raise InvalidInputError(
             f"{profile.name} has no bfloat16 (compute capability {cc[0]}.{cc[1]}, bf16 needs "
-            f"8.0 or later): use --dtype fp16")
+            f"8.0 or later): use {option('dtype', 'fp16')}")
     if chosen is not None:
         return chosen, None
     stored = checkpoint_dtype(model) if str(model).startswith("hf:") else None
@@ -210,8 +210,8 @@ def _total_memory_note(profile: DeviceProfile) -> str | None:
         return None
     return (f"{profile.name}: the catalog has no public report of what CUDA reports as its "
             f"total, so its marketed {profile.total_memory_bytes / GiB:.2f} GiB stands in (CUDA "
-            "reports a little less): pass --total-memory with torch.cuda.mem_get_info()[1] "
-            "for the exact figure")
+            "reports a little less): give the total memory as torch.cuda.mem_get_info()[1] "
+            "reports it for the exact figure")
 
 
 def _meta_model(config: Any, dtype: str) -> Any:
@@ -273,25 +273,25 @@ def serve_capacity(model: str, *, device: DeviceProfile | str,
     """
     from batchfit.models.resolve import _max_positions, load_hf_config
 
-    engine = Engine(str(engine).lower()) if str(engine).lower() in ("vllm", "hf") else None
-    if engine is None:
-        raise InvalidInputError("unknown --engine: use vllm or hf")
+    if str(engine).lower() not in ("vllm", "hf"):
+        raise InvalidInputError(f"unknown {option('engine')} {engine!r}: use vllm or hf")
+    engine = Engine(str(engine).lower())
     if str(vllm_engine).lower() not in ("v0", "v1"):
-        raise InvalidInputError(f"unknown --vllm-engine {vllm_engine!r}: use v1 or v0")
+        raise InvalidInputError(f"unknown {option('vllm_engine')} {vllm_engine!r}: use v1 or v0")
     vllm_engine = VllmEngine(str(vllm_engine).lower())
     profile = resolve_device(device)
     if not profile.is_cuda:
-        raise InvalidInputError("serving capacity is for a GPU: give --gpu NAME")
+        raise InvalidInputError(f"serving capacity is for a GPU: give {option('gpu', 'NAME')}")
     if total_memory_bytes is not None:
         profile = replace(profile, total_memory_bytes=int(total_memory_bytes))
     if not 0 < gpu_memory_utilization <= 1:
         raise InvalidInputError(
-            f"--gpu-memory-utilization {gpu_memory_utilization} must be in (0, 1], e.g. 0.9")
-    for name, value in (("--block-size", block_size), ("--max-num-seqs", max_num_seqs),
-                        ("--max-num-batched-tokens", max_num_batched_tokens),
-                        ("--batch-size", batch_size), ("--new-tokens", new_tokens)):
+            f"{option('gpu_memory_utilization', gpu_memory_utilization)} must be in (0, 1], e.g. 0.9")
+    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("batch_size", batch_size), ("new_tokens", new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidInputError(f"{name} must be a positive integer, not {value!r}")
+            raise InvalidInputError(f"{option(name)} must be a positive integer, not {value!r}")
     if not str(model).startswith("hf:"):
         raise InvalidInputError(f"serve takes an hf:NAME model; {model!r} is not one")
     config = load_hf_config(model, model_kwargs)
@@ -299,17 +299,18 @@ def serve_capacity(model: str, *, device: DeviceProfile | str,
     if max_model_len is None:
         max_model_len = context
     elif max_model_len < 1:
-        raise InvalidInputError(f"--max-model-len must be positive, not {max_model_len}")
+        raise InvalidInputError(f"{option('max_model_len')} must be positive, not {max_model_len}")
     elif max_model_len > context:
         raise InvalidInputError(
-            f"--max-model-len {max_model_len} is above {model}'s context of {context} tokens "
-            f"(max_position_embeddings): use --max-model-len {context} or less")
+            f"{option('max_model_len', max_model_len)} is above {model}'s context of "
+            f"{context} tokens (max_position_embeddings): use "
+            f"{option('max_model_len', context)} or less")
     chosen, dtype_note = _serving_dtype(model, dtype, profile)
     notes = tuple(n for n in (dtype_note, None if total_memory_bytes is not None
                               else _total_memory_note(profile)) if n)
     kv_name = _KV_DTYPES.get(str(kv_dtype).lower(), "invalid")
     if kv_name == "invalid":
-        raise InvalidInputError(f"unknown --kv-dtype {kv_dtype!r}: use auto, fp16, bf16 or fp8")
+        raise InvalidInputError(f"unknown {option('kv_dtype')} {kv_dtype!r}: use auto, fp16, bf16 or fp8")
     kv_name = kv_name or chosen
     caches = layer_caches(config, dtype_bytes(kv_name), state_bytes=dtype_bytes(chosen))
     if engine is Engine.HF:
@@ -317,7 +318,8 @@ def serve_capacity(model: str, *, device: DeviceProfile | str,
                                  max_model_len, batch_size, prompt_len, new_tokens, quant,
                                  all_logits), notes=notes)
     if quant is not None:
-        raise InvalidInputError("--quant applies to --engine hf (bitsandbytes in transformers)")
+        raise InvalidInputError(f"{option('quant')} applies to {option('engine', 'hf')} "
+                                 "(bitsandbytes in transformers)")
     key = (model, repr(sorted((model_kwargs or {}).items())), chosen)
     run = (*key, profile.compute_capability, max_num_batched_tokens, max_num_seqs, vllm_engine)
     built = None
@@ -468,8 +470,8 @@ def _serve_hf(model: str, config: Any, profile: DeviceProfile, dtype: str, kv_na
         prompt_len = max(1, max_model_len - new_tokens)
     if prompt_len < 1 or prompt_len + new_tokens > max_model_len:
         raise InvalidInputError(
-            f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds --max-model-len "
-            f"{max_model_len}")
+            f"{option('prompt_len', prompt_len)} + {option('new_tokens', new_tokens)} exceeds "
+            f"{option('max_model_len', max_model_len)}")
     precision = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
     train = TrainConfig(mode="infer", precision=precision, quant=quant)
     vocab = int(getattr(config, "vocab_size", 32000))

@@ -124,7 +124,11 @@ OWN_FLAGS = {"batch_size": "--batch-size", "memory": "--memory", "margin": "--ma
              "max_batch_limit": "--max-batch-limit", "snapshot": "--snapshot",
              "dataset_size": "--dataset-size", "batches": "--batches", "gpus": "--gpus",
              "global_batch": "--global-batch", "strategies": "--strategies",
-             "network_gbs": "--network-gbs"}
+             "network_gbs": "--network-gbs",
+             **{keyword: "--" + keyword.replace("_", "-") for keyword in (  # serve's own
+                 "engine", "max_model_len", "gpu_memory_utilization", "dtype", "kv_dtype",
+                 "block_size", "max_num_batched_tokens", "max_num_seqs", "non_torch",
+                 "total_memory", "prompt_len", "new_tokens", "vllm_engine")}}
 
 #: keyword -> flag: how a library message names an option on the command line.
 FLAGS = {**{keyword: info.param_decls[0].split("/")[0]
