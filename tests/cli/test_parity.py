@@ -226,6 +226,19 @@ def test_zero_grad_after_forward_reaches_the_step(files):
         resolve_step(files["conv"], zero_grad="late")
 
 
+def test_serve_says_which_card_a_short_name_is():
+    """"H100" is three catalog cards (SXM5, PCIe, NVL): the answer names the one taken and the
+    note the others, as max and estimate do (before, serve said nothing of its choice)."""
+    kwargs = {"max_model_len": 2048, "max_num_batched_tokens": 256,
+              "model_kwargs": {"num_hidden_layers": 2}}
+    h100 = batchfit.serve("hf:Qwen/Qwen2.5-0.5B", gpu="H100", **kwargs)
+    assert h100.to_dict()["gpu_choice"]["name"] == "NVIDIA H100 SXM5 80GB"
+    (note,) = h100.notes
+    assert "NVIDIA H100 PCIe" in note and "NVIDIA H100 NVL" in note
+    t4 = batchfit.serve("hf:Qwen/Qwen2.5-0.5B", gpu="T4", **kwargs)
+    assert t4.to_dict()["gpu_choice"]["name"] == "NVIDIA Tesla T4" and t4.notes == ()
+
+
 def test_serve_names_an_unknown_keyword():
     from batchfit.errors import InvalidInputError
 

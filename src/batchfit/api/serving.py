@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from batchfit.api.answers import Answer, StatusFn, _split
+from batchfit.api.target import chosen
 
 #: The keywords of ``batchfit serve``'s options, as its flags name them.
 SERVE_WORDS = ("engine", "max_model_len", "gpu_memory_utilization", "dtype", "kv_dtype",
@@ -25,7 +26,9 @@ def serve_words(model: str, *, gpu: str, non_torch: str | None = None,
                 on_status: StatusFn | None = None, **words: Any) -> Answer:
     """Serving capacity of the language model named ``model`` (``hf:NAME``) on the catalog
     card ``gpu``. ``non_torch`` and ``total_memory`` are sizes (``"0.35GiB"``); ``words``:
-    the other options of ``batchfit serve`` as keywords (:data:`SERVE_WORDS`)."""
+    the other options of ``batchfit serve`` as keywords (:data:`SERVE_WORDS`). The answer
+    says which catalog card ``gpu`` was taken for (``gpu_choice``), with a note where the name
+    could mean another."""
     from batchfit.answers.serve import serve_capacity
     from batchfit.api.step import _model_kwargs
     from batchfit.device.catalog import find_gpu
@@ -41,4 +44,5 @@ def serve_words(model: str, *, gpu: str, non_torch: str | None = None,
         non_torch_bytes=None if non_torch is None else parse_size(non_torch, allow_zero=True),
         total_memory_bytes=None if total_memory is None else parse_size(total_memory),
         model_kwargs=_model_kwargs(model_kwargs), **options)
-    return Answer(model, result)
+    choices, notes = chosen(gpu, None)
+    return Answer(model, result, choices, tuple(notes))

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 import batchfit.cli.outputs as outputs
-from batchfit.cli.common import emit_json, errors, out
+from batchfit.cli.common import emit_json, errors, out, print_notes
 from batchfit.cli.options import option
 from batchfit.cli.progress import progress
 from batchfit.cli.root import app
@@ -74,6 +74,7 @@ def serve_cmd(
         with progress("serve", f"tracing {model}'s profile forward on {gpu}"):
             answer = serve_words(model, gpu=gpu, model_kwargs=model_kwargs,
                                  **{k: v for k, v in given.items() if v is not None})
+        print_notes(answer.notes)
         data = answer.to_dict()
         written = outputs.write_answer_report("serve", data, f"batchfit serve {model} on {gpu}",
                                               html)
