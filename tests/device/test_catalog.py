@@ -642,15 +642,19 @@ def test_cuda_total_rows_have_a_source_and_sit_below_the_marketed_memory():
 
 
 def _quoted_total_mib(source: str) -> int:
-    """The MiB a row's quoted report gives: deviceQuery's exact bytes, a MiB figure, or
-    torch's two-decimal GiB (exact to +-5 MiB) times 1024 rounded down, as the catalog says."""
+    """The MiB a row's quoted report gives: exact bytes (deviceQuery's, XLA's
+    ``device_memory_size``) rounded down, a whole-MiB figure (torch's ``total_memory=``,
+    nvbench's "MiB Total", a "MB" figure), or torch's two-decimal GiB (exact to +-5 MiB)
+    times 1024 rounded down, as the catalog says."""
     import re
 
     quote = source.split(" | ", 1)[1]
-    if exact := re.search(r"(\d+) MBytes \((\d+) bytes\)", quote):
-        return int(exact.group(2)) // 2**20
-    if mib := re.search(r"(\d+) MB\b", quote):
-        return int(mib.group(1))
+    for exact in (r"MBytes \((\d+) bytes\)", r"device_memory_size: (\d+)"):
+        if found := re.search(exact, quote):
+            return int(found.group(1)) // 2**20
+    for whole in (r"total_memory=(\d+)MB", r"(\d+) MiB Total", r"(\d+) MB\b"):
+        if found := re.search(whole, quote):
+            return int(found.group(1))
     hundredths = re.search(r"(\d+)\.(\d\d) GiB", quote)
     assert hundredths, quote
     return (int(hundredths.group(1)) * 100 + int(hundredths.group(2))) * 1024 // 100
@@ -659,8 +663,11 @@ def _quoted_total_mib(source: str) -> int:
 def test_every_cuda_total_matches_the_figure_its_source_quotes():
     with_total = [g for g in load_catalog() if g.cuda_total_bytes is not None]
     # the datacenter cards whose public reports were found (the rest stay empty)
-    assert {g.key for g in with_total} >= {"t4", "a100-40gb", "a100-pcie-80gb", "a10", "l40",
-                                          "h100-sxm", "h200", "b200"}
+    assert {g.key for g in with_total} >= {
+        "t4", "a100-40gb", "a100-pcie-80gb", "a10", "l40", "h100-sxm", "h200", "b200",
+        "a100-80gb", "a100-pcie-40gb", "a30", "a40", "l4", "l40s", "h100-pcie", "h100-nvl",
+        "h20", "gh200", "gb200", "mi300x", "rtx-a6000", "rtx-6000-ada", "rtx-4000-ada",
+        "rtx-4060-ti-16gb"}
     for gpu in with_total:
         url, _, quote = gpu.cuda_total_source.partition(" | ")
         assert urlparse(url).scheme == "https" and quote, gpu.key
@@ -673,6 +680,11 @@ def test_quoted_figures_convert_as_the_catalog_says():
     assert _quoted_total_mib("u | total capacity of 44.40 GiB") == 45_465
     assert _quoted_total_mib("u | global memory: 40339 MBytes (42298834944 bytes)") == 40_339
     assert _quoted_total_mib("u | Total global mem: 81049 MB") == 81_049
+    # torch's repr prints total_memory // 2**20; nvbench prints cudaMemGetInfo's total // 2**20
+    assert _quoted_total_mib("u | name='NVIDIA H20', total_memory=97285MB") == 97_285
+    assert _quoted_total_mib("u | Global Memory: 23805 MiB Free / 24060 MiB Total") == 24_060
+    # XLA's device_memory_size is cuDeviceTotalMem in bytes: 84,942,979,072 B = 81,007.94 MiB
+    assert _quoted_total_mib("u | device_memory_size: 84942979072") == 81_007
 
 
 def test_a_t4_reports_what_torch_printed_on_one():
@@ -693,6 +705,18 @@ def test_a_3090_reports_23_70_gib_of_its_24():
     assert gpu.to_dict()["cuda_total_bytes"] == 25_446_842_368
 
 
+def test_cards_filled_from_exact_reports_round_down_to_whole_mib():
+    # deviceQuery on an L4 (ECC on): 23,612,293,120 B = 22,518.44 MiB; on an A100-SXM4-80GB
+    # 85,100,068,864 B = 81,157.75 MiB (deviceQuery prints the rounded 81158 MBytes);
+    # XLA's GB200 spec 197,897,748,480 B = 188,730 MiB exactly, 184.31 GiB of its 186;
+    # torch on an MI300X prints total_memory=196592MB, 16 MiB short of 192 GiB.
+    assert find_gpu("L4").usable_memory_bytes == 22_518 * 2**20
+    assert find_gpu("A100").usable_memory_bytes == 81_157 * 2**20
+    assert find_gpu("GB200").usable_memory_bytes == 188_730 * 2**20 == 197_897_748_480
+    assert find_gpu("MI300X").usable_memory_bytes == 192 * GIB - 16 * 2**20
+    assert find_gpu("L4").memory_bytes == 24 * GIB  # the marketed figure names resolve by
+
+
 def test_hopper_and_blackwell_hbm_cards_report_what_torch_printed_on_them():
     # torch's OOM messages on an H200 node and a B200 (stas00/ml-engineering, debug/
     # pytorch.md): "total capacity of 139.80 GiB" and "of 178.35 GiB";
@@ -704,7 +728,7 @@ def test_hopper_and_blackwell_hbm_cards_report_what_torch_printed_on_them():
 
 
 def test_a_card_without_a_report_keeps_its_memory():
-    gpu = find_gpu("A100")
+    gpu = find_gpu("H800")  # no public report names the card and prints CUDA's total
     assert gpu.cuda_total_bytes is None and gpu.cuda_total_source == ""
     assert gpu.usable_memory_bytes == gpu.memory_bytes == 80 * GIB
 
@@ -713,7 +737,8 @@ def test_the_profile_of_a_catalog_card_has_what_cuda_reports():
     from batchfit.device.profile import gpu_profile, resolve_device
 
     assert resolve_device("RTX 3090").total_memory_bytes == 25_446_842_368
-    assert gpu_profile(find_gpu("A100")).total_memory_bytes == 80 * GIB
+    assert gpu_profile(find_gpu("H800")).total_memory_bytes == 80 * GIB
+    assert resolve_device("A100").total_memory_bytes == 81_157 * 2**20
 
 
 def test_given_memory_is_the_total_cuda_would_report():
@@ -725,16 +750,21 @@ def test_given_memory_is_the_total_cuda_would_report():
     assert gpu_profile(find_gpu("RTX 3090"), memory_bytes=24 * GIB).total_memory_bytes == 24 * GIB
 
 
-def test_max_budget_on_a_catalog_card_starts_from_what_cuda_reports():
+@pytest.mark.parametrize("card, total, workspaces", [
+    ("RTX 3090", 25_446_842_368, 2 * 8_519_680),  # 23.70 GiB; sm86: two 8.125 MiB workspaces
+    ("L4", 22_518 * 2**20, 2 * 8_519_680),  # deviceQuery's 22,518.44 MiB; sm89 as sm86
+    ("H100 PCIe", 81_007 * 2**20, 2 * 32 * 2**20),  # XLA's 81,007.94 MiB; sm90: 2 x 32 MiB
+])
+def test_max_budget_on_a_catalog_card_starts_from_what_cuda_reports(card, total, workspaces):
     import torch
 
     import batchfit
 
-    result = batchfit.max_batch_size(lambda: torch.nn.Linear(64, 64), (64,), device="RTX 3090",
+    result = batchfit.max_batch_size(lambda: torch.nn.Linear(64, 64), (64,), device=card,
                                      max_batch_limit=8)
-    assert result.memory_bytes == 25_446_842_368
-    # Less the lazy-loading context (512 MiB) and sm86's two 8.125 MiB cuBLAS workspaces.
-    assert result.budget_bytes == 25_446_842_368 - 536_870_912 - 2 * 8_519_680
+    assert result.memory_bytes == total
+    # Less the lazy-loading context (512 MiB) and the architecture's cuBLAS workspaces.
+    assert result.budget_bytes == total - 536_870_912 - workspaces
 
 
 @pytest.mark.parametrize("mib, source, message", [

@@ -35,12 +35,16 @@ Conventions of the table:
   memory for itself (``nvidia-smi -q`` shows it as "Reserved" on recent drivers, and
   counts it in its "Total"): an RTX 3090 reports 23.70 GiB of 24. The figure is torch's
   two-decimal GiB times 1024, rounded down to whole MiB. It moves a little with the driver
-  (newer drivers keep more: 3090 reports range from 23.70 down to 23.57 GiB); a row holds
+  (3090 reports range from 23.70 down to 23.57 GiB; an A100 40GB PCIe from 40,326 to 40,441
+  MiB, the largest under the newest driver); a row holds
   the largest figure its reports show, so no driver keeps less than the row assumes. A
-  deviceQuery report (``totalGlobalMem`` in bytes) is exact; a two-decimal GiB is +-5 MiB.
-  GDDR6 datacenter cards (T4, A10) hold their ECC-on figure, as they ship: ECC keeps 1/16 of
-  the memory for check bits. A row without one (no public report found) uses
-  ``memory_bytes``, as before; ``serve`` says so in its notes.
+  report in bytes (deviceQuery's ``totalGlobalMem``, XLA's captured ``device_memory_size``)
+  is exact; torch's ``total_memory=...MB`` and nvbench's "MiB Total" are whole MiB rounded
+  down; a two-decimal GiB is +-5 MiB. ROCm reports ``hipMemGetInfo``'s total the same way.
+  GDDR6 datacenter cards (T4, A10, L4, A40, L40S) hold their ECC-on figure, as they ship:
+  ECC keeps 1/16 of the memory for check bits; workstation cards hold the ECC-off figure
+  their reports show. A row without one (no public report found) uses ``memory_bytes``, as
+  before; ``serve`` says so in its notes.
 - Boards with two dies that PyTorch shows as two devices (Tesla K80, AMD
   MI250/MI250X) have one row per device, with that device's share.
 - AMD rows give compute units in ``sm_count``, the gfx architecture in
