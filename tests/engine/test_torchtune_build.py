@@ -197,3 +197,22 @@ def test_the_answer_peaks_in_the_build_of_a_small_model():
     result = batchfit.estimate(tiny_llama, SPEC, 2, config, device=_gpu())
     assert result.peak_phase is Phase.SETUP and result.peak_op.startswith("to_nf4 ")
     assert result.peak_allocated_bytes >= 2 * I * H * 16 * 2
+
+
+def test_chunked_steps_follow_the_installed_torchao():
+    torchao = pytest.importorskip("torchao.quantization")
+    import torch
+
+    # an independent run: the installed torchao's own to_nf4 on a real CPU weight, its
+    # storages recorded by batchfit's tracer. Its temporaries (the storages it frees) must
+    # be the modelled ones, in order; what it keeps is the NF4 tensor.
+    weight = torch.randn(256, 256, dtype=torch.bfloat16)
+    tracer = Tracer()
+    with tracer:
+        kept = torchao.to_nf4(weight)
+    freed = {e.key for e in tracer.events if e.kind is EventKind.FREE}
+    real = [e.nbytes for e in tracer.events if e.kind is EventKind.ALLOC and e.key in freed]
+    modelled = [s.nbytes for s in to_nf4_steps(256 * 256, 2, chunked=True)
+                if s.step is BuildStep.ALLOC]
+    assert real == modelled
+    assert kept.quantized_data.numel() == 256 * 256 // 2

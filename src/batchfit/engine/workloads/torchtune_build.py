@@ -115,11 +115,12 @@ def _double_quantize_scalers(numel: int, w: int, chunked: bool) -> list[BuildOp]
     ops = _block_absmax("scalers_1", numel, BLOCK_SIZE, w)
     ops += [_alloc("scalers_1 - mean", n_blocks * w), *_free("scalers_1")]
     ops += _block_absmax("scaler_absmax", n_blocks, SCALER_BLOCK_SIZE, w)
-    # ``256 / (2 * scaler_absmax)`` on the expanded (n_scaler_blocks, 256) view: n_blocks values
-    ops.append(_alloc("2 * scaler_absmax", n_blocks * w))
+    # ``256 / (2 * scaler_absmax)`` on the expanded (n_scaler_blocks, 256) view: n_blocks
+    # values each; ``256 / t`` is ``t.reciprocal() * 256`` (torch/_tensor.py ``__rdiv__``)
+    ops += [_alloc("2 * scaler_absmax", n_blocks * w), _alloc("reciprocal", n_blocks * w)]
     if chunked:  # later releases keep ``quantization_factor[:, 0].contiguous()`` only
         ops.append(_alloc("quantization_factor", n_blocks * w))
-    ops += _free("2 * scaler_absmax")  # 0.1 keeps quantization_factor itself (a view of it)
+    ops += _free("reciprocal", "2 * scaler_absmax")  # 0.1 keeps the factor (a view of it)
     ops += [_alloc("scaled", n_blocks * w), _alloc("round", n_blocks * w), *_free("scaled"),
             _alloc("clamp", n_blocks * w), *_free("round")]
     ops.append(BuildOp(BuildStep.KEEP_SCALERS))  # ``.to(torch.int8)``: the kept scalers
