@@ -33,7 +33,9 @@ temporaries:
   for a Llama-2-7B MLP weight), then ``diff.min(dim=-1)``;
 * from torchao 0.2.0 (commit 6081796 "perform in chunks (#196)"; torchtune 0.2.0 pins 0.3.1)
   ``convert_to_norm_float_weight`` fills a ``uint8`` buffer ``CHUNK_SIZE`` = 1024**2 values
-  at a time, so those temporaries are 32 MiB each.
+  at a time, so those temporaries are 32 MiB each. The steps follow torchao at commit
+  36027d82d (torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py), which also keeps
+  ``quantization_factor[:, 0].contiguous()`` instead of the whole factor as 0.1 does.
 
 Before torchtune 0.6.0 the builder makes one layer and ``TransformerDecoder`` deep-copies it
 into every layer (``_get_clones`` in torchtune/modules/transformer.py: ``copy.deepcopy(module)
@@ -44,7 +46,9 @@ each copy dequantizes the template's weight to bf16 and quantizes it again.
 
 What is modelled (:func:`record_build`): the build (each 4-bit layer's bf16 weight,
 ``to_nf4``'s temporaries in the source's order, the weight freed; before 0.6 the template
-layer built so, each layer then dequantized from it and quantized again, the template freed),
+layer built so, then the embedding, output and final norm (``lora_llama2`` makes them before
+``TransformerDecoder`` copies the layer, models/llama2/_component_builders.py at 0914d5cfb),
+each layer then dequantized from the template and quantized again, the template freed),
 then the rest of the model, then the load (the checkpoint weight copied to the GPU,
 ``to_nf4`` again, one set of NF4 tensors freed). The kept NF4 tensors are the trace's own
 quantized weights (bitsandbytes' packed data and absmax: close to torchao's ``n/2 + 3n/64``
