@@ -216,3 +216,37 @@ def test_chunked_steps_follow_the_installed_torchao():
                 if s.step is BuildStep.ALLOC]
     assert real == modelled
     assert kept.quantized_data.numel() == 256 * 256 // 2
+
+
+SMALL_LLAMA = ["hf:meta-llama/Llama-2-7b-hf", "--seq-len", "64",
+               *[item for kv in ("num_hidden_layers=2", "hidden_size=256", "intermediate_size=512",
+                                 "num_attention_heads=4", "num_key_value_heads=4",
+                                 "vocab_size=1000") for item in ("--model-kwargs", kv)]]
+
+
+def test_cli_json_carries_the_build_as_the_peak():
+    import json
+
+    from batchfit.cli import app
+
+    result = CliRunner().invoke(app, ["estimate", *SMALL_LLAMA, "-b", "2", "--gpu", "RTX 4090",
+                                      "--lora", "r=8,targets=all-linear", "--quant", "nf4",
+                                      "--recipe", "torchtune", "--torchtune-version", "0.1",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    # each 512 x 256 MLP weight's two (n, 16) bf16 comparisons are 4 MiB each, more than
+    # this step's activations: the peak is torchao 0.1's quantization in the build
+    assert data["peak_phase"] == "setup" and data["peak_op"].startswith(("to_nf4 ", "clone "))
+    assert data["peak_allocated_bytes"] >= 2 * 512 * 256 * 16 * 2
+
+
+def test_cli_refuses_a_weight_torchao_cannot_quantize():
+    from batchfit.cli import app
+    from tests.cli.test_cli_llm import TINY  # 64-wide projections: 4,096 values each
+
+    result = CliRunner().invoke(app, ["estimate", *TINY, "-b", "2", "--gpu", "RTX 4090",
+                                      "--lora", "r=8", "--quant", "nf4", "--recipe", "torchtune"])
+    assert result.exit_code == 2, result.output
+    assert "multiple of 16,384 values" in result.output and "Traceback" not in result.output
+    assert len([line for line in result.output.splitlines() if line.strip()]) == 1

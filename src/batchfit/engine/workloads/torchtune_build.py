@@ -251,12 +251,27 @@ def _layers(twin: Any) -> tuple[list[list[Layer]], list[Layer]]:
     for path, module in twin.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             layer = (path, module, module.in_features * module.out_features)
+            _check_quantizable(path, layer[2])
             found = _DECODER_LAYER.search(path)
             if found:
                 decoder.setdefault(path[:found.end()], []).append(layer)
             else:
                 others.append(layer)
     return list(decoder.values()), others
+
+
+def _check_quantizable(path: str, numel: int) -> None:
+    """torchao's ``from_tensor`` asserts ``numel % block_size == 0`` and
+    ``double_quantize_scalers`` ``n_blocks % scaler_block_size == 0``: torchtune cannot
+    quantize a weight whose size is not a multiple of 64 x 256 values."""
+    from batchfit.errors import InvalidInputError, option
+
+    if numel % (BLOCK_SIZE * SCALER_BLOCK_SIZE):
+        raise InvalidInputError(
+            f"{option('recipe', 'torchtune')} quantizes with torchao's to_nf4, which needs each "
+            f"weight's size to be a multiple of {BLOCK_SIZE * SCALER_BLOCK_SIZE:,} values "
+            f"(blocks of {BLOCK_SIZE}, {SCALER_BLOCK_SIZE} block scales per scaler block): "
+            f"{path} has {numel:,}; drop {option('quant')} or use another recipe")
 
 
 def _keeper(tracer: Any, module: Any, made: list[tuple[int, int]] | None = None,
