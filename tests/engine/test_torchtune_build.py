@@ -250,3 +250,18 @@ def test_cli_refuses_a_weight_torchao_cannot_quantize():
     assert result.exit_code == 2, result.output
     assert "multiple of 16,384 values" in result.output and "Traceback" not in result.output
     assert len([line for line in result.output.splitlines() if line.strip()]) == 1
+
+
+@pytest.mark.parametrize("version, freed_op", [
+    # torchtune 0.1's inplace_copy gives the parameter the new NF4 tensors and drops its own
+    # (torchtune/utils/_register_nf4_dispatch_ops.py at 0914d5cfb)
+    ("0.1", ""),
+    # torchao's copy_ copies the new tensors into the parameter's, then drops the new ones
+    (None, "to_nf4"),
+])
+def test_the_load_drops_one_set_of_nf4_tensors(version, freed_op):
+    setup = _setup(version)
+    freed = {e.key for e in setup if e.kind is EventKind.FREE}
+    parameters = [e for e in setup if e.kind is EventKind.ALLOC
+                  and e.category is Category.PARAMETERS and e.key in freed]
+    assert parameters and {e.op.split(" ")[0] for e in parameters} == {freed_op}
