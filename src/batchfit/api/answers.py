@@ -31,7 +31,7 @@ from batchfit.errors import InvalidInputError, option
 STEP_WORDS = ("input_shape", "seq_len", "mode", "optimizer", "precision", "checkpointing",
               "channels_last", "model_kwargs", "lora", "quant", "loss", "grad_accum",
               "use_reentrant", "packing", "attn", "transformers_version", "recipe",
-              "bitsandbytes_version", "zero_grad")
+              "bitsandbytes_version", "torchtune_version", "zero_grad")
 STACK_WORDS = ("stack", "torch_version", "cuda_version", "cudnn_benchmark", "inference_mode",
                "alloc_conf")
 TARGET_WORDS = ("gpu", "device", "memory", "overhead")

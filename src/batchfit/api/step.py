@@ -88,7 +88,7 @@ def _config(mode: str, optimizer: str | None, precision: str | None,
             quant: str | None, loss: str | None, grad_accum: int, use_reentrant: bool,
             packing: bool, attn: str | None, transformers_version: str | None,
             bitsandbytes_version: str | None, recipe: str | None, zero_grad: str | None,
-            settings: dict[str, Any]) -> Any:
+            settings: dict[str, Any], torchtune_version: str | None = None) -> Any:
     """The step's config. What the options leave None (precision, checkpointing, optimizer,
     loss) the recipe decides in :class:`TrainConfig` (peft's QLoRA defaults with ``quant``
     and no recipe: :mod:`batchfit.engine.workloads.recipes`)."""
@@ -104,7 +104,7 @@ def _config(mode: str, optimizer: str | None, precision: str | None,
         checkpointing=checkpointing, channels_last=channels_last,
         lora=lora, quant=quant, loss=loss, grad_accum_steps=grad_accum,
         use_reentrant=use_reentrant, transformers_version=transformers_version,
-        bitsandbytes_version=bitsandbytes_version,
+        bitsandbytes_version=bitsandbytes_version, torchtune_version=torchtune_version,
         zero_grad_after_forward=_zero_grad_after_forward(zero_grad), **settings,
         # flash attention takes packed rows as varlen sequences and builds no mask
         packing=packing and ATTN.get((attn or "sdpa").strip().lower()) != "flash")
@@ -154,6 +154,7 @@ def resolve_step(model: str, *, input_shape: str | None = None, seq_len: int | N
                  grad_accum: int = 1, use_reentrant: bool = False, packing: bool = False,
                  attn: str | None = None, transformers_version: str | None = None,
                  bitsandbytes_version: str | None = None,
+                 torchtune_version: str | None = None,
                  recipe: str | None = None, zero_grad: str | None = None,
                  **settings: Any) -> Step:
     """The step named by ``model`` (``timm:NAME``, ``hf:NAME``, ``path/file.py:factory``...)
@@ -165,7 +166,7 @@ def resolve_step(model: str, *, input_shape: str | None = None, seq_len: int | N
 
     config = _config(mode, optimizer, precision, checkpointing, channels_last, lora, quant,
                      loss, grad_accum, use_reentrant, packing, attn, transformers_version,
-                     bitsandbytes_version, recipe, zero_grad, settings)
+                     bitsandbytes_version, recipe, zero_grad, settings, torchtune_version)
     if seq_len is not None and seq_len < 1:
         raise InvalidInputError(f"{option('seq_len')} must be a positive integer, not {seq_len}")
     shape = parse_shape(input_shape) if input_shape is not None else None

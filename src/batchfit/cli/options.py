@@ -87,6 +87,8 @@ OPTIONS: dict[str, tuple[Any, Any]] = {
                                                  "its causal-LM loss, e.g. 4.43", LLM)),
     "bitsandbytes_version": (Optional[str], _opt(None, "--bitsandbytes-version",
                                                  "its 4-bit matmul, e.g. 0.41.1", LLM)),
+    "torchtune_version": (Optional[str], _opt(None, "--torchtune-version",
+                                              "its QLoRA model build, e.g. 0.1", LLM)),
     # multi-GPU
     "world_size": (Optional[int], _opt(None, "--world-size", "GPUs (the batch is per GPU)",
                                        MULTI)),
@@ -115,7 +117,7 @@ STEP_OPTIONS = ("model_kwargs", "input_shape", "seq_len", "mode", "optimizer", "
                 "checkpointing", "channels_last", "inference_mode", "zero_grad")
 STACK_OPTIONS = ("stack", "torch_version", "cuda_version", "cudnn_benchmark", "alloc_conf")
 LLM_OPTIONS = ("lora", "recipe", "quant", "loss", "grad_accum", "use_reentrant", "packing", "attn",
-               "transformers_version", "bitsandbytes_version")
+               "transformers_version", "bitsandbytes_version", "torchtune_version")
 MULTI_OPTIONS = ("world_size", "strategy", "offload", "tp", "nodes", "rank", "wrap",
                  "nccl_memory")
 

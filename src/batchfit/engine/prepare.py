@@ -213,10 +213,13 @@ class WorkloadModule:
                 training: bool) -> PreparedModule:
         from batchfit.engine.fake import enable_checkpointing, fake_copy
         from batchfit.engine.workloads.quantstate import install_fake_quant_state
+        from batchfit.engine.workloads.torchtune_build import builds_on_device, record_build
 
         source, attributes = workload_model(self.model, self.config, self.reuse)
         twin = fake_copy(source, fake_mode, channels_last=self.config.channels_last)
         stored = install_fake_quant_state(twin, attributes, fake_mode, self.device.is_cuda)
+        if self.device.is_cuda and builds_on_device(self.config):
+            record_build(twin, tracer, self.config.torchtune_version)
         if self.config.checkpointing and training and not workload_checkpointing(self.config):
             enable_checkpointing(twin, self.config.use_reentrant)
         return PreparedModule(twin, stored)

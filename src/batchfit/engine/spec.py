@@ -301,6 +301,10 @@ class TrainConfig:
             it (before 0.43.2 each 4-bit layer keeps its input for backward; before 0.50.0
             its forward always dequantizes the whole weight; see
             :mod:`batchfit.engine.workloads.runtime`); None: the installed bitsandbytes'.
+        torchtune_version: ``"0.1"``...: torchtune's QLoRA model build as that release runs
+            it on the GPU (before 0.2, torchao 0.1 quantizes each weight in one pass; see
+            :mod:`batchfit.engine.workloads.torchtune_build`); None: the release the
+            ``torchtune`` recipe follows. Only with that recipe and ``quant``.
         recipe: a fine-tuning framework whose defaults fill the fields left None (kbit
             preparation, adapter dtype, precision, checkpointing, loss, optimizer):
             ``peft``, ``litgpt``, ``torchtune``, ``unsloth`` or ``axolotl``
@@ -328,6 +332,7 @@ class TrainConfig:
     packing: bool = False
     transformers_version: Any = None
     bitsandbytes_version: Any = None
+    torchtune_version: Any = None
     inference_mode: bool = False
     alloc_conf: Any = None
     recipe: Any = None
@@ -373,6 +378,8 @@ class TrainConfig:
                 raise InvalidInputError(
                     f"{option('bitsandbytes_version')} models bitsandbytes' 4-bit matmul: add "
                     f"{option('quant', 'nf4')} (or fp4, nf4-dq, fp4-dq)")
+        if self.torchtune_version is not None:
+            self._check_torchtune_version()
         if self.inference_mode and self.mode is Mode.TRAIN:
             raise InvalidInputError(f"{option('inference_mode', True)} goes with "
                                     f"{option('mode', 'infer')}: a training step cannot run "
@@ -381,6 +388,17 @@ class TrainConfig:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InvalidInputError(
                 f"gradient accumulation steps must be a positive integer, not {steps!r}")
+
+    def _check_torchtune_version(self) -> None:
+        from batchfit.engine.workloads.recipes import Recipe
+        from batchfit.engine.workloads.spec import parse_release
+
+        object.__setattr__(self, "torchtune_version",
+                           parse_release(self.torchtune_version, "torchtune_version"))
+        if self.recipe is not Recipe.TORCHTUNE or self.quant is None:
+            raise InvalidInputError(
+                f"{option('torchtune_version')} models torchtune's QLoRA model build: add "
+                f"{option('recipe', 'torchtune')} and {option('quant', 'nf4')}")
 
     def _apply_recipe(self) -> None:
         """Fill the fields left None from the recipe (an explicit value always wins), then

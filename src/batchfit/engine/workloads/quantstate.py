@@ -131,6 +131,15 @@ def _fake_state(state: Any, memo: dict[int, Any]) -> Any:
     return twin
 
 
+def state_tensors(state: Any) -> list[torch.Tensor]:
+    """The tensors of a 4-bit layer's quant state: absmax, code book, offset, and the nested
+    state's absmax and code book with double quantization."""
+    found = [t for t in (state.absmax, state.code, state.offset) if t is not None]
+    if state.state2 is not None:
+        found += [state.state2.absmax, state.state2.code]
+    return found
+
+
 def install_fake_quant_state(twin: nn.Module, attributes: dict[str, dict[str, Any]],
                              fake_mode: Any, cuda_target: bool) -> list[torch.Tensor]:
     """Give the fake twin's quantized layers fake versions of their quant state.
@@ -161,9 +170,7 @@ def install_fake_quant_state(twin: nn.Module, attributes: dict[str, dict[str, An
                 # never does, and the packed copy is another tensor.
                 if cuda_target:
                     module.support_avx512bf16_for_cpu = False
-                extra += [t for t in (state.absmax, state.code, state.offset) if t is not None]
-                if state.state2 is not None:
-                    extra += [state.state2.absmax, state.state2.code]
+                extra += state_tensors(state)
             else:
                 scb = attrs["SCB"]
                 fake_scb = _fake_twin(scb) if scb is not None else None

@@ -274,6 +274,22 @@ def parse_quant(text: str) -> QuantSpec:
 FIRST_4BIT = (0, 39, 0)
 
 
+def parse_release(text: str | tuple[int, ...], keyword: str) -> tuple[int, int, int]:
+    """A library release, ``"0.41.1"``, ``"0.43"``, ``"v0.45.0.post1"`` -> ``(0, 41, 1)``...,
+    given as option ``keyword`` (named in the error a malformed one gets).
+
+    Example:
+        >>> parse_release("v0.2", "torchtune_version")
+        (0, 2, 0)
+    """
+    found = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?",
+                     ".".join(map(str, text)) if isinstance(text, tuple) else str(text).strip())
+    if found is None:
+        raise InvalidInputError(f"malformed {option(keyword)} {text!r}: write it like 0.41.1 "
+                                "or 0.45")
+    return int(found[1]), int(found[2]), int(found[3] or 0)
+
+
 def parse_bitsandbytes_version(text: str | tuple[int, ...] | None) -> tuple[int, int, int] | None:
     """``"0.41.1"``, ``"0.43"``, ``"v0.45.0.post1"`` -> ``(0, 41, 1)``...; None stays None
     (the installed one). What the version changes: :mod:`batchfit.engine.workloads.runtime`.
@@ -284,12 +300,7 @@ def parse_bitsandbytes_version(text: str | tuple[int, ...] | None) -> tuple[int,
     """
     if text is None:
         return None
-    found = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?",
-                     ".".join(map(str, text)) if isinstance(text, tuple) else str(text).strip())
-    if found is None:
-        raise InvalidInputError(f"malformed {option('bitsandbytes_version')} {text!r}: write it "
-                                "like 0.41.1 or 0.45")
-    version = (int(found[1]), int(found[2]), int(found[3] or 0))
+    version = parse_release(text, "bitsandbytes_version")
     if version < FIRST_4BIT:
         raise InvalidInputError(
             f"{option('bitsandbytes_version', text)}: bitsandbytes has 4-bit weights from "
