@@ -1,0 +1,116 @@
+"""litgpt's model where it holds memory differently from transformers' + peft's.
+
+batchfit traces transformers' model with peft's LoRA; ``litgpt finetune_lora`` trains
+litgpt's own ``GPT`` (``litgpt/model.py``, ``litgpt/lora.py``) under Lightning Fabric. The
+``litgpt`` recipe makes the traced model hold what litgpt's holds. Read in
+Lightning-AI/litgpt at v0.5.13 (commit 26857050fe3f) and at the commits of its published
+config-hub tables (00af8b0d, 5895df10), which agree on all three points:
+
+* **A separate output head.** ``GPT.__init__`` (litgpt/model.py) always builds
+  ``self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size)`` next to
+  ``transformer.wte``, and ``copy_weights_hf_llama`` (litgpt/scripts/convert_hf_checkpoint.py)
+  fills ``lm_head.weight`` from the embedding when a tied checkpoint (Llama 3.2, Gemma) has
+  none; ``finetune/lora.py::validate_args`` refuses ``tie_embeddings``. So a model that
+  transformers ties holds a second ``vocabulary x hidden`` weight in litgpt.
+* **Every linear layer is quantized, the head too, from float16.** Lightning's
+  ``BitsandbytesPrecision`` (lightning/fabric/plugins/precision/bitsandbytes.py,
+  ``_convert_layers``) swaps every ``nn.Linear`` whose name is not in ``ignore_modules``,
+  which ``finetune/lora.py`` never passes (transformers keeps ``lm_head`` in 16 bits), and
+  ``_Linear4bit.quantize`` quantizes ``weight.contiguous().to(device, dtype=torch.half)``:
+  the quant state's dtype is float16, so bitsandbytes' ``dequantize_4bit`` writes a float16
+  weight that ``MatMul4Bit`` then copies to the bf16 compute dtype (``.to(A.dtype)``).
+* **One LoRA dropout for q, k and v.** litgpt fuses them in one ``attn`` linear, a
+  ``LoRAQKVLinear`` whose ``forward`` runs ``self.lora_dropout(x)`` once on the fused
+  projection's input (``lora_A`` covers every enabled part), where peft's ``q_proj``,
+  ``k_proj`` and ``v_proj`` each run their own dropout: one mask and one dropped input per
+  attention instead of one per adapted projection. The MLP's ``fc_1``/``fc_2``/``proj`` are
+  separate ``LoRALinear``\\ s in litgpt too, each with its own dropout, as in peft.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+#: transformers' names of the projections litgpt fuses in ``attn`` (``LoRAQKVLinear``).
+QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+#: ``_Linear4bit.quantize``: ``weight.contiguous().to(device=device, dtype=torch.half)``
+QUANTIZED_FROM = torch.float16
+
+
+def untie_output_embedding(model: nn.Module) -> None:
+    """Give a tied output head its own weight, as litgpt's converted checkpoint has.
+
+    A no-op for a model whose head is already separate (or that has none).
+    """
+    get_head = getattr(model, "get_output_embeddings", None)
+    get_embedding = getattr(model, "get_input_embeddings", None)
+    head = get_head() if get_head is not None else None
+    embedding = get_embedding() if get_embedding is not None else None
+    if head is None or embedding is None or head.weight is not embedding.weight:
+        return
+    tied = embedding.weight
+    head.weight = nn.Parameter(torch.empty_like(tied), requires_grad=tied.requires_grad)
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.tie_word_embeddings = False  # so a later tie_weights() keeps them apart
+
+
+def litgpt_quant(quant: Any) -> Any:
+    """``quant`` as Lightning's plugin applies it: no module kept in 16 bits (unless the
+    user named some with ``skip_modules``)."""
+    from dataclasses import replace
+
+    if quant is None or quant.skip_modules is not None:
+        return quant
+    return replace(quant, skip_modules=())
+
+
+class FusedQKVDropout(nn.Module):
+    """One dropout on the input of an attention's q, k and v adapters, as litgpt's
+    ``LoRAQKVLinear`` runs it: the first adapter called drops the input, the others reuse
+    that output while the attention's forward lasts (:meth:`release`, a forward hook on the
+    attention, lets it go, so nothing outlives what autograd saves)."""
+
+    def __init__(self, dropout: nn.Module) -> None:
+        super().__init__()
+        self.dropout = dropout
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._input is not x:
+            self._input, self._output = x, self.dropout(x)
+        return self._output
+
+    def release(self, *args: Any) -> None:
+        """Forward hook of the attention module: its q, k and v have all run."""
+        self._input = self._output = None
+
+
+def fuse_qkv_dropout(model: nn.Module) -> int:
+    """Make the LoRA dropout of each attention's adapted q, k and v one dropout (litgpt's
+    fused ``attn``). Returns how many attentions now share one; an attention with fewer
+    than two of them adapted, or without dropout, keeps its own."""
+    from peft.tuners.lora import LoraLayer
+
+    groups: dict[str, list[Any]] = {}
+    for name, module in model.named_modules():
+        parent, _, leaf = name.rpartition(".")
+        if isinstance(module, LoraLayer) and leaf in QKV_NAMES:
+            groups.setdefault(parent, []).append(module)
+    fused = 0
+    for parent, layers in groups.items():
+        if len(layers) < 2:
+            continue
+        for adapter, dropout in list(layers[0].lora_dropout.items()):
+            if isinstance(dropout, nn.Identity):
+                continue  # dropout=0: peft runs no dropout at all
+            shared = FusedQKVDropout(dropout)
+            for layer in layers:
+                layer.lora_dropout[adapter] = shared
+            model.get_submodule(parent).register_forward_hook(shared.release)
+            fused += 1
+    return fused
