@@ -116,3 +116,23 @@ def test_old_bitsandbytes_dequantizes_litgpts_fp16_state_then_casts():
     # bf16 copy while it lives (then the bf16 logits, B x S x V = 256,000 bytes, next to
     # the bf16 copy alone: less)
     assert _lm_head_forward_peak("0.42") == 2 * V * H * 2
+
+
+def _live_at_backward(monkeypatch, expand: bool) -> int:
+    from batchfit.engine.workloads import litgpt
+
+    if not expand:
+        monkeypatch.setattr(litgpt, "expand_kv_heads", lambda model: False)
+    config = TrainConfig(lora="r=8,targets=q_proj+v_proj", precision="bf16", recipe="litgpt")
+    return live_before(trace_step(tiny_tied_llama, SPEC, BATCH, config, _gpu()), Phase.BACKWARD)
+
+
+def test_litgpt_keeps_keys_and_values_at_every_query_head(monkeypatch):
+    # litgpt/model.py, CausalSelfAttention.forward: with grouped queries k and v are
+    # repeated to n_head heads before SDPA, which keeps them for backward; transformers
+    # hands SDPA the KV_HEADS-head k and v (enable_gqa). Per layer, k and v each gain
+    # (HEADS - KV_HEADS) heads of B x S x head_dim bf16 values.
+    head_dim = H // HEADS
+    extra = LAYERS * 2 * BATCH * (HEADS - KV_HEADS) * SEQ * head_dim * 2
+    expanded = _live_at_backward(monkeypatch, True)
+    assert expanded - _live_at_backward(monkeypatch, False) == extra

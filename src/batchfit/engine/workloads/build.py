@@ -111,6 +111,7 @@ def apply_workload(model: nn.Module, workload: Any, *, precision: Any, checkpoin
             import_bitsandbytes()  # before peft, which imports it (see import_bitsandbytes)
         if as_litgpt:
             litgpt.untie_output_embedding(model)
+            litgpt.expand_kv_heads(model)
         if quant is not None:
             model = quantize(model, quant, compute_dtype(quant, precision),
                              from_dtype=litgpt.QUANTIZED_FROM if as_litgpt else None)

@@ -19,6 +19,12 @@ config-hub tables (00af8b0d, 5895df10), which agree on all three points:
   ``_Linear4bit.quantize`` quantizes ``weight.contiguous().to(device, dtype=torch.half)``:
   the quant state's dtype is float16, so bitsandbytes' ``dequantize_4bit`` writes a float16
   weight that ``MatMul4Bit`` then copies to the bf16 compute dtype (``.to(A.dtype)``).
+* **Keys and values at every query head.** With grouped-query attention litgpt's
+  ``CausalSelfAttention.forward`` repeats k and v to ``n_head`` heads before SDPA
+  (``k.expand(...)`` then ``k.reshape(B, -1, T, hs)`` at 00af8b0d and 5895df10,
+  ``k.repeat_interleave(q_per_kv, dim=1)`` at v0.5.13; "flash attention requires it in
+  training mode"), so SDPA keeps the repeated copies for backward; transformers passes the
+  grouped k and v with ``enable_gqa=True`` (``sdpa_attention_forward``, no mask).
 * **One LoRA dropout for q, k and v.** litgpt fuses them in one ``attn`` linear, a
   ``LoRAQKVLinear`` whose ``forward`` runs ``self.lora_dropout(x)`` once on the fused
   projection's input (``lora_A`` covers every enabled part), where peft's ``q_proj``,
@@ -29,6 +35,8 @@ config-hub tables (00af8b0d, 5895df10), which agree on all three points:
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -66,6 +74,47 @@ def litgpt_quant(quant: Any) -> Any:
     if quant is None or quant.skip_modules is not None:
         return quant
     return replace(quant, skip_modules=())
+
+
+#: The attention implementation name (transformers' registry) of litgpt's SDPA call.
+LITGPT_SDPA = "batchfit-litgpt-sdpa"
+
+
+def expanded_kv_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: Any, **kwargs: Any) -> Any:
+    """transformers' SDPA attention with k and v repeated to every query head first, as
+    litgpt's attention does."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    # the repeated heads are the query heads: nothing left to group
+    ungrouped = SimpleNamespace(num_key_value_groups=1,
+                                is_causal=getattr(module, "is_causal", True))
+    return sdpa_attention_forward(ungrouped, query, key, value, attention_mask, **kwargs)
+
+
+@functools.cache
+def _register_litgpt_sdpa() -> None:
+    """Add :data:`LITGPT_SDPA` to transformers' attention and mask registries (a new name
+    next to theirs; no existing entry changes), with SDPA's mask."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(LITGPT_SDPA, expanded_kv_sdpa)
+    AttentionMaskInterface.register(LITGPT_SDPA, sdpa_mask)
+
+
+def expand_kv_heads(model: nn.Module) -> bool:
+    """Run ``model``'s SDPA attention as litgpt's, with k and v repeated to every query head.
+    Returns whether it did: a model on another attention implementation keeps it."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    _register_litgpt_sdpa()
+    config._attn_implementation = LITGPT_SDPA
+    return True
 
 
 class FusedQKVDropout(nn.Module):
