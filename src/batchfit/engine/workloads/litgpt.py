@@ -16,7 +16,8 @@ config-hub tables (00af8b0d, 5895df10), which agree on all three points:
   ``BitsandbytesPrecision`` (lightning/fabric/plugins/precision/bitsandbytes.py,
   ``_convert_layers``) swaps every ``nn.Linear`` whose name is not in ``ignore_modules``,
   which ``finetune/lora.py`` never passes (transformers keeps ``lm_head`` in 16 bits), and
-  ``_Linear4bit.quantize`` quantizes ``weight.contiguous().to(device, dtype=torch.half)``:
+  ``_Linear4bit.quantize`` quantizes ``weight.contiguous().to(device, dtype=torch.half)``
+  (the same in Lightning 2.1.0, 2.4.0 and 2.6.6):
   the quant state's dtype is float16, so bitsandbytes' ``dequantize_4bit`` writes a float16
   weight that ``MatMul4Bit`` then copies to the bf16 compute dtype (``.to(A.dtype)``).
 * **Keys and values at every query head.** With grouped-query attention litgpt's
