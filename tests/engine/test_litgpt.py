@@ -1,5 +1,6 @@
 """litgpt's model in the ``litgpt`` recipe (issue 36): one LoRA dropout for the fused qkv,
-a separate output head, every linear layer quantized from float16. Expected bytes are
+a separate output head, every linear layer quantized from float16, k and v repeated to
+every query head. Expected bytes are
 worked out by hand from litgpt's and Lightning's sources, cited in
 src/batchfit/engine/workloads/litgpt.py."""
 
@@ -13,8 +14,19 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
-from tests.engine.test_workloads import (HEADS, KV_HEADS, LAYERS, LINEARS, SPEC, H, I, V, _cpu,
-                                         _gpu, live_before)
+from tests.engine.test_workloads import (
+    HEADS,
+    KV_HEADS,
+    LAYERS,
+    LINEARS,
+    SPEC,
+    H,
+    I,
+    V,
+    _cpu,
+    _gpu,
+    live_before,
+)
 
 from batchfit.engine.spec import TrainConfig
 from batchfit.engine.trace import trace_step
