@@ -148,3 +148,35 @@ def test_litgpt_keeps_keys_and_values_at_every_query_head(monkeypatch):
     extra = LAYERS * 2 * BATCH * (HEADS - KV_HEADS) * SEQ * head_dim * 2
     expanded = _live_at_backward(monkeypatch, True)
     assert expanded - _live_at_backward(monkeypatch, False) == extra
+
+
+def _litgpt_trace(monkeypatch, fabric: bool):
+    from batchfit.engine.workloads import litgpt
+
+    if not fabric:
+        monkeypatch.setattr(litgpt, "fabric_logits", lambda model: None)
+    config = TrainConfig(lora="r=8,targets=q_proj+v_proj", recipe="litgpt")
+    return trace_step(tiny_tied_llama, SPEC, BATCH, config, _gpu())
+
+
+def test_litgpt_holds_float32_logits_into_the_next_step(monkeypatch):
+    # Fabric's _FabricModule.forward returns precision.convert_output(output): the bf16
+    # logits as float32 (torch.get_default_dtype()); litgpt's fit() keeps them in `logits`
+    # until the next step's forward replaces them: B x S x V float32 values live when the
+    # next step begins; and the loss it also keeps is a float32 scalar, not a bf16 one
+    fabric = live_before(_litgpt_trace(monkeypatch, True), Phase.FORWARD)
+    assert fabric - live_before(_litgpt_trace(monkeypatch, False), Phase.FORWARD) \
+        == BATCH * SEQ * V * 4 + (4 - 2)
+
+
+def test_litgpt_loss_runs_on_float32_logits(monkeypatch):
+    # At the loss, per token and vocabulary entry: without Fabric, the bf16 logits (2) and
+    # their bf16 log-softmax (2); with it, the bf16 logits (2), their float32 copy (4) and a
+    # float32 log-softmax (4), and when the copy is made the previous step's float32 logits
+    # (4) are freed: 6 bytes more at the forward's peak, up to the few per-token tensors of
+    # the loss (labels, per-token losses)
+    from tests.engine.test_workloads import _forward_peak
+
+    more = _forward_peak(_litgpt_trace(monkeypatch, True)) \
+        - _forward_peak(_litgpt_trace(monkeypatch, False))
+    assert more == pytest.approx(6 * BATCH * SEQ * V, rel=0.02)

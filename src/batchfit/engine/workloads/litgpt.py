@@ -26,6 +26,14 @@ config-hub tables (00af8b0d, 5895df10), which agree on all three points:
   ``k.repeat_interleave(q_per_kv, dim=1)`` at v0.5.13; "flash attention requires it in
   training mode"), so SDPA keeps the repeated copies for backward; transformers passes the
   grouped k and v with ``enable_gqa=True`` (``sdpa_attention_forward``, no mask).
+* **Float32 logits, held until the next step's.** Fabric's model wrapper
+  (lightning/fabric/wrappers.py, ``_FabricModule.forward``) returns
+  ``precision.convert_output(output)``, and both ``HalfPrecision`` (``bf16-true``) and
+  ``BitsandbytesPrecision`` convert every floating output to ``torch.get_default_dtype()``,
+  float32 in litgpt's process (the same in Lightning 2.1.0, 2.4.0 and 2.6.6): each bf16
+  logits chunk becomes a float32 copy, and ``chunked_cross_entropy`` runs on those (its
+  log-softmax, kept for backward, is float32 too). ``fit`` assigns ``logits = model(...)``,
+  so the previous step's float32 logits live until the new ones are made.
 * **One LoRA dropout for q, k and v.** litgpt fuses them in one ``attn`` linear, a
   ``LoRAQKVLinear`` whose ``forward`` runs ``self.lora_dropout(x)`` once on the fused
   projection's input (``lora_A`` covers every enabled part), where peft's ``q_proj``,
@@ -47,6 +55,8 @@ from torch import nn
 QKV_NAMES = ("q_proj", "k_proj", "v_proj")
 #: ``_Linear4bit.quantize``: ``weight.contiguous().to(device=device, dtype=torch.half)``
 QUANTIZED_FROM = torch.float16
+#: Fabric's ``convert_output``: ``torch.get_default_dtype()``, which litgpt leaves at float32
+FABRIC_OUTPUT_DTYPE = torch.float32
 
 
 def untie_output_embedding(model: nn.Module) -> None:
@@ -164,3 +174,27 @@ def fuse_qkv_dropout(model: nn.Module) -> int:
             model.get_submodule(parent).register_forward_hook(shared.release)
             fused += 1
     return fused
+
+
+class FabricLogits:
+    """A causal LM's loss function on the logits as litgpt's loop has them: converted to
+    float32 by Fabric's wrapper, and the last step's kept (``logits = model(...)``) until
+    this step's conversion replaces them."""
+
+    def __init__(self, loss_function: Any) -> None:
+        self.loss_function = loss_function
+        self.logits: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                 **kwargs: Any) -> torch.Tensor:
+        converted = logits.to(FABRIC_OUTPUT_DTYPE)
+        self.logits = converted  # the previous step's are freed only now
+        return self.loss_function(converted, labels, vocab_size, **kwargs)
+
+
+def fabric_logits(model: nn.Module) -> None:
+    """Give ``model`` (a causal LM, possibly inside peft) litgpt's float32, held logits."""
+    from batchfit.engine.workloads.losses import base_model_of
+
+    base = base_model_of(model)
+    base.loss_function = FabricLogits(base.loss_function)
