@@ -112,7 +112,7 @@ def _lm_head_forward_peak(version: str) -> int:
     trace = trace_step(tiny_tied_llama, SPEC, BATCH, config, _gpu())
     live, peak = {}, 0
     for e in trace.steady_events:
-        inside = e.phase is Phase.FORWARD and e.module.endswith("lm_head")
+        inside = e.phase is Phase.FORWARD and ".lm_head" in e.module
         if e.kind is EventKind.ALLOC and inside:
             live[e.key] = e.nbytes
         elif e.kind is EventKind.FREE:
@@ -154,7 +154,7 @@ def _litgpt_trace(monkeypatch, fabric: bool):
     from batchfit.engine.workloads import litgpt
 
     if not fabric:
-        monkeypatch.setattr(litgpt, "fabric_logits", lambda model: None)
+        monkeypatch.setattr(litgpt, "fabric_logits", lambda model, chunked: None)
     config = TrainConfig(lora="r=8,targets=q_proj+v_proj", recipe="litgpt")
     return trace_step(tiny_tied_llama, SPEC, BATCH, config, _gpu())
 
@@ -180,3 +180,27 @@ def test_litgpt_loss_runs_on_float32_logits(monkeypatch):
     more = _forward_peak(_litgpt_trace(monkeypatch, True)) \
         - _forward_peak(_litgpt_trace(monkeypatch, False))
     assert more == pytest.approx(6 * BATCH * SEQ * V, rel=0.02)
+
+
+def test_litgpt_runs_its_head_on_128_token_chunks(monkeypatch):
+    # litgpt/lora.py GPT.forward(lm_head_chunk_size=128): the head runs on each 128-token
+    # chunk and chunked_cross_entropy takes the list, so backward never makes the whole
+    # B x S x V float32 logits gradient; each chunk's, B x 128 x V x 4 bytes, is made instead
+    from batchfit.engine.spec import TensorSpec
+    from batchfit.engine.workloads import litgpt
+
+    seq = 256
+    spec = {k: TensorSpec((seq,), "int64", 0, V) for k in SPEC}
+    whole_head = litgpt.fabric_logits
+    sizes = {}
+    for chunked in (True, False):
+        if not chunked:
+            monkeypatch.setattr(litgpt, "fabric_logits",
+                                lambda model, chunked: whole_head(model, chunked=False))
+        config = TrainConfig(lora="r=8,targets=q_proj+v_proj", recipe="litgpt")
+        trace = trace_step(tiny_tied_llama, spec, BATCH, config, _gpu())
+        sizes[chunked] = {e.nbytes for e in trace.steady_events
+                          if e.kind is EventKind.ALLOC and e.phase is Phase.BACKWARD}
+    whole, chunk = BATCH * seq * V * 4, BATCH * 128 * V * 4
+    assert whole in sizes[False]  # the whole sequence's head: its gradient in one piece
+    assert whole not in sizes[True] and chunk in sizes[True]

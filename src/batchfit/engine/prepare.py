@@ -115,7 +115,7 @@ def workload_model(model: Any, config: TrainConfig, reuse: TraceReuse | None) ->
     if config.recipe is Recipe.LITGPT and config.mode is Mode.TRAIN:
         from batchfit.engine.workloads.litgpt import fabric_logits
 
-        fabric_logits(transformed)
+        fabric_logits(transformed, chunked=config.loss is LossKind.NATIVE)
     built = (transformed, quant_attributes(transformed) if config.quant is not None else {})
     if reuse is not None:
         reuse.workload_model = built

@@ -26,6 +26,12 @@ config-hub tables (00af8b0d, 5895df10), which agree on all three points:
   ``k.repeat_interleave(q_per_kv, dim=1)`` at v0.5.13; "flash attention requires it in
   training mode"), so SDPA keeps the repeated copies for backward; transformers passes the
   grouped k and v with ``enable_gqa=True`` (``sdpa_attention_forward``, no mask).
+* **The head on 128-token chunks.** ``fit`` calls ``model(input_ids, lm_head_chunk_size=128)``
+  (finetune/lora.py), and litgpt's LoRA ``GPT.forward`` (litgpt/lora.py) returns
+  ``[self.lm_head(x_i) for x_i in x.split(lm_head_chunk_size, dim=1)]``, which
+  ``chunked_cross_entropy`` (litgpt/utils.py) takes chunk by chunk: no ``B x T x V`` logits
+  or logits gradient is ever made in one piece, and a LoRA head's intermediates are one
+  chunk's.
 * **Float32 logits, held until the next step's.** Fabric's model wrapper
   (lightning/fabric/wrappers.py, ``_FabricModule.forward``) returns
   ``precision.convert_output(output)``, and both ``HalfPrecision`` (``bf16-true``) and
@@ -50,6 +56,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from batchfit.engine.workloads.losses import (LITGPT_CHUNK_TOKENS, _mean, _shifted_labels,
+                                              base_model_of)
 
 #: transformers' names of the projections litgpt fuses in ``attn`` (``LoRAQKVLinear``).
 QKV_NAMES = ("q_proj", "k_proj", "v_proj")
@@ -176,6 +185,30 @@ def fuse_qkv_dropout(model: nn.Module) -> int:
     return fused
 
 
+class ChunkedHead(nn.Module):
+    """litgpt's output head as its LoRA ``GPT.forward`` runs it in training: on each
+    128-token chunk of the final norm's output, returning the list of chunk logits."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [self.head(x_i) for x_i in x.split(LITGPT_CHUNK_TOKENS, dim=1)]
+
+
+def chunked_cross_entropy(logits: list[torch.Tensor], labels: torch.Tensor, vocab_size: int,
+                          ignore_index: int = -100, **kwargs: Any) -> torch.Tensor:
+    """litgpt's ``chunked_cross_entropy`` on the chunked head's list (litgpt/utils.py, "lm_head
+    was chunked"): cross-entropy per chunk with ``reduction="none"``, then the sum over the
+    tokens that count."""
+    targets = _shifted_labels(labels, ignore_index)
+    losses = [nn.functional.cross_entropy(chunk.reshape(-1, vocab_size), target.reshape(-1),
+                                          ignore_index=ignore_index, reduction="none")
+              for chunk, target in zip(logits, targets.split(LITGPT_CHUNK_TOKENS, dim=1))]
+    return _mean(torch.cat(losses).sum(), targets, ignore_index)
+
+
 class FabricLogits:
     """A causal LM's loss function on the logits as litgpt's loop has them: converted to
     float32 by Fabric's wrapper, and the last step's kept (``logits = model(...)``) until
@@ -185,16 +218,20 @@ class FabricLogits:
         self.loss_function = loss_function
         self.logits: torch.Tensor | None = None
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                 **kwargs: Any) -> torch.Tensor:
-        converted = logits.to(FABRIC_OUTPUT_DTYPE)
+    def __call__(self, logits: torch.Tensor | list[torch.Tensor], labels: torch.Tensor,
+                 vocab_size: int, **kwargs: Any) -> torch.Tensor:
+        # apply_to_collection converts a list's tensors one by one
+        converted: Any = ([chunk.to(FABRIC_OUTPUT_DTYPE) for chunk in logits]
+                          if isinstance(logits, list) else logits.to(FABRIC_OUTPUT_DTYPE))
         self.logits = converted  # the previous step's are freed only now
         return self.loss_function(converted, labels, vocab_size, **kwargs)
 
 
-def fabric_logits(model: nn.Module) -> None:
-    """Give ``model`` (a causal LM, possibly inside peft) litgpt's float32, held logits."""
-    from batchfit.engine.workloads.losses import base_model_of
-
+def fabric_logits(model: nn.Module, chunked: bool = True) -> None:
+    """Give ``model`` (a causal LM, possibly inside peft) litgpt's float32, held logits and,
+    with ``chunked`` (litgpt's own loss), its head on 128-token chunks."""
     base = base_model_of(model)
+    if chunked and isinstance(getattr(base, "lm_head", None), nn.Module):
+        base.lm_head = ChunkedHead(base.lm_head)
+        base.loss_function = chunked_cross_entropy
     base.loss_function = FabricLogits(base.loss_function)
