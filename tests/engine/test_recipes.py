@@ -107,15 +107,18 @@ def test_adapter_dtype_is_honoured():
 
 
 def test_litgpt_qlora_keeps_bf16_weights_and_adapters():
-    # no prepare_model_for_kbit_training: embedding, norms and head stay bf16 (peft's recipe
-    # upcasts them to fp32), and the adapters are bf16 (fp32 in peft's)
+    # no prepare_model_for_kbit_training: embedding and norms stay bf16 (peft's recipe
+    # upcasts them, and the head it keeps out of 4 bits, to fp32), and the adapters are bf16
+    # (fp32 in peft's); Lightning's plugin quantizes the head too (tests/engine/test_litgpt.py)
     weights = [o * i for o, i in LINEARS] * LAYERS
     quantized = sum(n // 2 + 4 * math.ceil(n / 64) + 64 for n in weights)
+    head = V * H // 2 + 4 * math.ceil(V * H / 64) + 64
     full_precision = V * H * 2 + H * (2 * LAYERS + 1)
     adapters = LAYERS * sum(8 * (o + i) for o, i in LINEARS)
     config = TrainConfig(lora="r=8,targets=all-linear", quant="nf4", recipe="litgpt")
     trace = trace_step(tiny_llama, SPEC, 2, config, _cpu())
-    assert _parameter_bytes(trace) == quantized + 2 * full_precision + 2 * adapters
+    assert _parameter_bytes(trace) == quantized + head + 2 * (full_precision - V * H) \
+        + 2 * adapters
     peft = trace_step(tiny_llama, SPEC, 2, TrainConfig(lora="r=8,targets=all-linear",
                                                          quant="nf4"), _cpu())
     assert _parameter_bytes(peft) == quantized + 4 * full_precision + 4 * adapters
@@ -143,12 +146,13 @@ def test_framework_losses_by_hand():
 
 def test_estimate_takes_the_recipe_keyword():
     # the public entry point passes recipe= through to TrainConfig: litgpt's bf16 weights
-    # and adapters, as worked out in test_litgpt_qlora_keeps_bf16_weights_and_adapters
+    # and adapters and 4-bit head, as worked out in
+    # test_litgpt_qlora_keeps_bf16_weights_and_adapters
     from batchfit.answers.estimate import estimate
 
-    weights = [o * i for o, i in LINEARS] * LAYERS
+    weights = [o * i for o, i in LINEARS] * LAYERS + [V * H]
     quantized = sum(n // 2 + 4 * math.ceil(n / 64) + 64 for n in weights)
-    full_precision = V * H * 2 + H * (2 * LAYERS + 1)
+    full_precision = V * H + H * (2 * LAYERS + 1)
     adapters = LAYERS * sum(8 * (o + i) for o, i in LINEARS)
     result = estimate(tiny_llama, SPEC, 2, device=_cpu(), lora="r=8,targets=all-linear",
                       quant="nf4", recipe="litgpt")

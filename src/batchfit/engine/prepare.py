@@ -81,6 +81,7 @@ def workload_model(model: Any, config: TrainConfig, reuse: TraceReuse | None) ->
     from batchfit.engine.step import torch_dtype
     from batchfit.engine.workloads.build import apply_workload
     from batchfit.engine.workloads.quantstate import quant_attributes
+    from batchfit.engine.workloads.recipes import Recipe
     from batchfit.engine.workloads.spec import LossKind
 
     if reuse is not None and reuse.workload_model is not None:
@@ -111,6 +112,10 @@ def workload_model(model: Any, config: TrainConfig, reuse: TraceReuse | None) ->
         from batchfit.engine.workloads.hfloss import apply_transformers_loss
 
         apply_transformers_loss(transformed, config.transformers_version)
+    if config.recipe is Recipe.LITGPT and config.mode is Mode.TRAIN:
+        from batchfit.engine.workloads.litgpt import fabric_logits
+
+        fabric_logits(transformed, chunked=config.loss is LossKind.NATIVE)
     built = (transformed, quant_attributes(transformed) if config.quant is not None else {})
     if reuse is not None:
         reuse.workload_model = built

@@ -451,7 +451,7 @@ class TrainConfig:
                 and self.transformers_version is None):
             return None
         return Workload(lora=self.lora, quant=self.quant, loss=self.loss,
-                        transformers_version=self.transformers_version)
+                        transformers_version=self.transformers_version, recipe=self.recipe)
 
     @property
     def resolved_stack(self) -> Any:

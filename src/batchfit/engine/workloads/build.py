@@ -101,15 +101,26 @@ def apply_workload(model: nn.Module, workload: Any, *, precision: Any, checkpoin
             f"{option('lora')}/{option('quant')} adapt torch modules with peft and bitsandbytes; "
             f"{type(model).__name__} is a Keras model (Keras has its own model.enable_lora(rank) "
             f"and quantize()): drop {option('lora')}/{option('quant')}")
+    from batchfit.engine.workloads import litgpt
+    from batchfit.engine.workloads.recipes import Recipe
+
+    as_litgpt = getattr(workload, "recipe", None) is Recipe.LITGPT
+    quant = litgpt.litgpt_quant(workload.quant) if as_litgpt else workload.quant
     with _quiet():
-        if workload.quant is not None or workload.lora is not None:
+        if quant is not None or workload.lora is not None:
             import_bitsandbytes()  # before peft, which imports it (see import_bitsandbytes)
-        if workload.quant is not None:
-            model = quantize(model, workload.quant, compute_dtype(workload.quant, precision))
-            if workload.quant.prepare and training:
+        if as_litgpt:
+            litgpt.untie_output_embedding(model)
+            litgpt.expand_kv_heads(model)
+        if quant is not None:
+            model = quantize(model, quant, compute_dtype(quant, precision),
+                             from_dtype=litgpt.QUANTIZED_FROM if as_litgpt else None)
+            if quant.prepare and training:
                 model = _prepare_kbit(model, checkpointing, use_reentrant)
         if workload.lora is not None:
             model = add_lora(model, workload.lora)
+            if as_litgpt:
+                litgpt.fuse_qkv_dropout(model)
     return model
 
 
@@ -118,18 +129,23 @@ def apply_workload(model: nn.Module, workload: Any, *, precision: Any, checkpoin
 def _bnb_config(quant: QuantSpec, dtype: torch.dtype) -> Any:
     from transformers import BitsAndBytesConfig
 
+    # () skips nothing (transformers adds its default skips only for None)
+    skip = list(quant.skip_modules) if quant.skip_modules is not None else None
     if quant.method is QuantMethod.INT8:
-        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=
-                                  list(quant.skip_modules) if quant.skip_modules else None)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=quant.method.quant_type,
         bnb_4bit_use_double_quant=quant.method.double_quant, bnb_4bit_compute_dtype=dtype,
-        llm_int8_skip_modules=list(quant.skip_modules) if quant.skip_modules else None)
+        llm_int8_skip_modules=skip)
 
 
-def quantize(model: nn.Module, quant: QuantSpec, dtype: torch.dtype) -> nn.Module:
+def quantize(model: nn.Module, quant: QuantSpec, dtype: torch.dtype,
+             from_dtype: torch.dtype | None = None) -> nn.Module:
     """Swap linear layers for bitsandbytes ones through transformers' quantizer, then
-    quantize each weight with bitsandbytes (on the weight's own device: meta or real)."""
+    quantize each weight with bitsandbytes (on the weight's own device: meta or real).
+
+    ``from_dtype``: cast each weight to it before quantizing (the 4-bit quant state keeps
+    that dtype, which its dequantization writes); None quantizes the weight as loaded."""
     bnb = import_bitsandbytes()
     from transformers.quantizers import AutoHfQuantizer
 
@@ -153,7 +169,8 @@ def quantize(model: nn.Module, quant: QuantSpec, dtype: torch.dtype) -> nn.Modul
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             old = module.weight
-            module.weight = bnb.nn.Params4bit(weights[name].data, requires_grad=False,
+            data = weights[name].data if from_dtype is None else weights[name].data.to(from_dtype)
+            module.weight = bnb.nn.Params4bit(data, requires_grad=False,
                                               **old.__dict__)._quantize(device)
         elif isinstance(module, bnb.nn.Linear8bitLt):
             module.weight = _int8_param(weights[name].data, module.weight, device)

@@ -67,11 +67,17 @@ def chunked_output_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: 
 _LOSSES = {"native": native_dtype_loss, "chunked-output": chunked_output_loss}
 
 
-def apply_framework_loss(model: nn.Module, kind: Any) -> None:
-    """Make ``model`` (a causal LM, possibly inside peft) compute its loss as ``kind`` says."""
+def base_model_of(model: nn.Module) -> nn.Module:
+    """The transformers model inside ``model`` (itself, or the one inside peft's wrappers)."""
     base = model
     while hasattr(base, "get_base_model") and base.get_base_model() is not base:
         base = base.get_base_model()
+    return base
+
+
+def apply_framework_loss(model: nn.Module, kind: Any) -> None:
+    """Make ``model`` (a causal LM, possibly inside peft) compute its loss as ``kind`` says."""
+    base = base_model_of(model)
     if not hasattr(type(base), "loss_function"):
         raise InvalidInputError(
             f"--loss {kind.value} is a causal language model's loss; {type(base).__name__} "

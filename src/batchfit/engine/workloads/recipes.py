@@ -15,7 +15,9 @@ commit named in ``docs/guides/llm-recipes.md``; the file and behaviour are cited
   without any kbit preparation, and the model, adapters included, is created in bf16
   (``lora_A = nn.Parameter(torch.empty(...))`` in litgpt/lora.py, under Fabric's bf16 init
   context); no activation checkpointing; the loss is ``chunked_cross_entropy``
-  (litgpt/utils.py) on the bf16 logits, 128 tokens at a time, with no float32 upcast; with
+  (litgpt/utils.py), 128 tokens at a time, with no upcast of its own (Fabric hands it
+  float32 logits, and litgpt's model differs from transformers' in more ways:
+  :mod:`batchfit.engine.workloads.litgpt`); with
   quantization the optimizer is ``bnb.optim.PagedAdamW`` (``instantiate_bnb_optimizer`` in
   litgpt/utils.py), AdamW otherwise. Its loop assigns ``logits = model(...)`` and
   ``loss = chunked_cross_entropy(...)`` each iteration, so the last step's outputs, and the

@@ -137,14 +137,21 @@ def _cuda_dequant_linear_fallback(A, B, shapeB, absmax, blocksize, quant_type, b
                                   absmax_8bit=None, absmax_code=None, absmax_offset=None):
     """``backends/cuda/ops.py::_dequant_linear_fallback``'s allocations, in its order (the
     CUDA kernels it calls write into these buffers)."""
-    absmax_dq = None
+    weight, absmax = _dequantized_weight(shapeB, A.dtype, absmax_8bit, absmax_offset)
+    out = torch.nn.functional.linear(A, weight, bias)
+    del absmax, weight
+    return out
+
+
+def _dequantized_weight(shapeB: Any, dtype: torch.dtype, absmax_8bit: Any,
+                        absmax_offset: Any) -> tuple[torch.Tensor, Any]:
+    """The whole weight dequantized to ``dtype``, and (double quantization) the fp32 absmax
+    plus offset it was computed with, which the caller frees when its frame ends."""
+    absmax = None
     if absmax_8bit is not None:
         absmax_dq = torch.empty_like(absmax_8bit, dtype=torch.float32)
-        absmax = absmax_dq + absmax_offset
-    weight = torch.empty(tuple(shapeB), dtype=A.dtype)
-    out = torch.nn.functional.linear(A, weight, bias)
-    del absmax_dq, absmax, weight
-    return out
+        absmax = (absmax_dq, absmax_dq + absmax_offset)
+    return torch.empty(tuple(shapeB), dtype=dtype), absmax
 
 
 @contextlib.contextmanager
@@ -156,15 +163,22 @@ def _matmul_4bit_of(version: tuple[int, int, int], device: Target) -> Iterator[N
     forward = saved_forward.__func__
     keeps_input = version < MATMUL_4BIT_DROPS_INPUT
 
+    state_dtype: list[Any] = [None]  # the quant state's dtype of the layer being run
+
     def old_forward(ctx: Any, A: torch.Tensor, B: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        state = kwargs.get("quant_state", args[2] if len(args) > 2 else None)
+        state_dtype[0] = getattr(state, "dtype", None)
         output = forward(ctx, A, B, *args, **kwargs)
         if keeps_input and not ctx.is_empty and ctx.tensors[1] is not None:
             ctx.tensors = (A, ctx.tensors[1])  # < 0.43.2: ``ctx.tensors = (A, B)``
         return output
 
+    def dequantized(args: tuple, kwargs: dict, device: Any) -> torch.Tensor:
+        return _gemm_4bit_dequantized(args, kwargs, device, state_dtype[0])
+
     ops = {}
     if version < MATMUL_4BIT_GEMM_OP and device is not None and device.is_cuda:
-        ops[torch.ops.bitsandbytes.gemm_4bit.default] = _gemm_4bit_dequantized
+        ops[torch.ops.bitsandbytes.gemm_4bit.default] = dequantized
     try:
         MatMul4Bit.forward = staticmethod(old_forward)
         with _decomposed_as(ops):
@@ -173,9 +187,24 @@ def _matmul_4bit_of(version: tuple[int, int, int], device: Target) -> Iterator[N
         MatMul4Bit.forward = saved_forward
 
 
-def _gemm_4bit_dequantized(args: tuple, kwargs: dict, device: Any) -> torch.Tensor:
-    """Before 0.50.0: the whole weight dequantized, then ``F.linear``, at any shape."""
-    return _cuda_dequant_linear_fallback(**_bind_gemm_4bit(args, kwargs))
+def _gemm_4bit_dequantized(args: tuple, kwargs: dict, device: Any,
+                           state_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Before 0.50.0: the whole weight dequantized, then ``F.linear``, at any shape.
+
+    0.42's ``F.linear(A, F.dequantize_4bit(B, quant_state).to(A.dtype).t(), bias)``:
+    ``dequantize_4bit`` writes the quant state's dtype (the weight's when it was quantized);
+    when that is not the input's, ``.to`` makes a second, cast copy while the first lives.
+    """
+    bound = _bind_gemm_4bit(args, kwargs)
+    A = bound["A"]
+    if state_dtype is None or state_dtype == A.dtype:
+        return _cuda_dequant_linear_fallback(**bound)
+    weight, absmax = _dequantized_weight(bound["shapeB"], state_dtype, bound["absmax_8bit"],
+                                         bound["absmax_offset"])
+    del absmax  # dequantize_4bit's own temporaries end with it
+    cast = weight.to(A.dtype)
+    del weight
+    return torch.nn.functional.linear(A, cast, bound["bias"])
 
 
 @functools.cache

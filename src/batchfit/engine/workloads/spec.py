@@ -316,4 +316,5 @@ class Workload:
     quant: QuantSpec | None = None
     loss: LossKind = LossKind.STANDARD
     transformers_version: tuple[int, int] | None = None  # None: the installed one's loss
+    recipe: Any = None  # the framework (Recipe) whose model differs from transformers' (litgpt)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
