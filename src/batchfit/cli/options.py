@@ -124,7 +124,10 @@ OWN_FLAGS = {"batch_size": "--batch-size", "memory": "--memory", "margin": "--ma
              "max_batch_limit": "--max-batch-limit", "snapshot": "--snapshot",
              "dataset_size": "--dataset-size", "batches": "--batches", "gpus": "--gpus",
              "global_batch": "--global-batch", "strategies": "--strategies",
-             "network_gbs": "--network-gbs"}
+             "network_gbs": "--network-gbs", "predict": "--predict",
+             "time_budget": "--time-budget", "alignment": "--alignment",
+             "memory_cap": "--memory-cap", "steps_per_trial": "--steps-per-trial",
+             "boundary_runs": "--boundary-runs"}
 
 #: keyword -> flag: how a library message names an option on the command line.
 FLAGS = {**{keyword: info.param_decls[0].split("/")[0]

@@ -75,7 +75,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchfit.engine.spec import Mode, TrainConfig, make_config
-from batchfit.errors import DoesNotFitError, InvalidInputError, ModelSpecError
+from batchfit.errors import DoesNotFitError, InvalidInputError, ModelSpecError, option
 from batchfit.speed.bench_result import (
     AlignmentResult,
     BenchResult,
@@ -656,7 +656,7 @@ def _bench_note(solver_note: str, points: Sequence[ThroughputPoint],
         names = ", ".join(map(str, skipped))
         notes.append(f"batch{'es' if len(skipped) > 1 else ''} {names} not measured: "
                      f"{'they' if len(skipped) > 1 else 'it'} would have run past the "
-                     f"{time_budget_s:g} s time budget (--time-budget)")
+                     f"{time_budget_s:g} s time budget ({option('time_budget')})")
     return "; ".join(notes)
 
 
