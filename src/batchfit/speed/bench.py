@@ -471,7 +471,9 @@ def _merge_runs(batch_size: int, runs: Sequence[ThroughputPoint]) -> ThroughputP
 
 
 def _measure_rounds(sweep: _Sweep, batches: Sequence[int], rounds: int) -> list[ThroughputPoint]:
-    """Each batch once per round, in interleaved rounds; each batch's fastest round counts."""
+    """Each batch once per round, in interleaved rounds; each batch's fastest round counts.
+    A batch measured in an earlier round and skipped for the time budget in a later one
+    keeps its measurement (the budget says nothing about its memory or its speed)."""
     timing = sweep.timing
     runs: dict[int, list[ThroughputPoint]] = {b: [] for b in batches}
     failed: dict[int, ThroughputPoint] = {}
@@ -484,7 +486,7 @@ def _measure_rounds(sweep: _Sweep, batches: Sequence[int], rounds: int) -> list[
                 point = sweep.measure(b)
                 if point.measured:
                     runs[b].append(point)
-                else:
+                elif not (runs[b] and point.status is PointStatus.SKIPPED_TIME_BUDGET):
                     failed[b] = point
     finally:
         sweep.timing = timing
