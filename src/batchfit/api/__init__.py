@@ -155,7 +155,7 @@ def bench(model: Any, *args: Any, **kwargs: Any) -> Any:
     Example:
         >>> import batchfit
         >>> answer = batchfit.bench("torchvision:resnet18", device="cpu", memory="4GiB",
-        ...                         batches="1,2", input_shape="3x32x32", time_budget="30s")
+        ...                         batches="1,2", input_shape="3x64x64", time_budget="30s")
         >>> answer.recommended_batch_size in (1, 2)
         True
     """
@@ -182,7 +182,7 @@ def search_max_batch(model: Any, *args: Any, **kwargs: Any) -> Any:
     Example:
         >>> import batchfit
         >>> answer = batchfit.search_max_batch("torchvision:resnet18", device="cpu",
-        ...                                    memory_cap="512MiB", input_shape="3x32x32",
+        ...                                    memory_cap="512MiB", input_shape="3x64x64",
         ...                                    boundary_runs=1)
         >>> answer.max_batch_size > 0
         True

@@ -78,7 +78,7 @@ def bench_words(model: str, *, device: str | None = None, gpu: str | None = None
     Example:
         >>> import batchfit
         >>> answer = batchfit.bench("torchvision:resnet18", device="cpu", memory="4GiB",
-        ...                         batches="1,2", input_shape="3x32x32", time_budget="30s")
+        ...                         batches="1,2", input_shape="3x64x64", time_budget="30s")
         >>> [p.batch_size for p in answer.points]
         [1, 2]
     """
@@ -146,7 +146,7 @@ def search_words(model: str, *, device: str = "cpu", memory_cap: str | int | Non
     Example:
         >>> import batchfit
         >>> answer = batchfit.search_max_batch("torchvision:resnet18", device="cpu",
-        ...                                    memory_cap="512MiB", input_shape="3x32x32",
+        ...                                    memory_cap="512MiB", input_shape="3x64x64",
         ...                                    boundary_runs=1)
         >>> answer.max_batch_size > 0
         True
