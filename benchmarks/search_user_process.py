@@ -282,6 +282,12 @@ def write_table(rows: list[dict], repeats: int) -> None:
               "recommended fits (plain) | trials | wall s | Lightning answers | "
               "Lightning trials | Lightning wall s | wall ratio |"), "|" + "---|" * 13]
     for r in rows:
+        if "correct" not in r:  # a row assembled from a stopped run's log: no truth yet
+            so_far = ", ".join(f"{b}: {k}" for b, k in r.get("plain_runs", {}).items())
+            lines.append(f"| {r['model']} | {r['cap_mib']} | not finished (plain runs so far: "
+                         f"{so_far or '-'}) | - | {', '.join(map(str, r['answers']))} | - | - | "
+                         "- | - | - | - | - | - |")
+            continue
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
         lwall = f"{r['lightning_wall_s']:.1f}" if r["lightning_wall_s"] else "-"
         lines.append(
