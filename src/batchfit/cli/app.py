@@ -189,10 +189,12 @@ def search_cmd(
     memory_cap: Optional[str] = typer.Option(
         None, "--memory-cap", help="CPU: bytes a trial may use beyond its warmed-up state; "
         "CUDA: the allocator's limit (what if my card were smaller)"),
-    steps_per_trial: int = typer.Option(2, "--steps-per-trial", help="real steps per trial (>= 2)"),
-    boundary_runs: int = typer.Option(
-        3, "--boundary-runs",
-        help="CPU: exec'd fresh processes the answer must fit in (the batch above runs as "
+    steps_per_trial: Optional[int] = typer.Option(
+        None, "--steps-per-trial", help="real steps per trial (2; at least 2)",
+        show_default=False),
+    boundary_runs: Optional[int] = typer.Option(
+        None, "--boundary-runs", show_default=False,
+        help="CPU: exec'd fresh processes the answer must fit in (3; the batch above runs as "
         "often); 1: no settling, the forked trials' answer"),
     as_json: bool = option("as_json"), debug: bool = option("debug"), words: Any = None,
 ) -> None:
@@ -205,9 +207,9 @@ def search_cmd(
             def on_trial(trial: Any) -> None:
                 status.done(trial_text(trial))
 
-            answer = search_words(model, **given(device=device), memory_cap=memory_cap,
-                                  steps_per_trial=steps_per_trial, boundary_runs=boundary_runs,
-                                  on_trial=on_trial, **words)
+            answer = search_words(model, memory_cap=memory_cap, on_trial=on_trial,
+                                  **given(device=device, steps_per_trial=steps_per_trial,
+                                          boundary_runs=boundary_runs), **words)
         print_notes(answer.notes)
         if as_json:
             emit_json(answer.to_dict())
