@@ -1,7 +1,10 @@
 """Issue 14's check of the capped-CPU search: does it answer for the user's own process?
 
-How it asks batchfit: ``search_max_batch(factory, ..., TrainConfig)`` on the capped CPU:
-pending conversion (search has no words API yet).
+How it asks batchfit: ``batchfit.search_max_batch(SPEC, device="cpu", memory_cap=CAP,
+steps_per_trial=2, optimizer="adamw", ...)`` with the model's spec string and the options a
+user gives (``max_vs_true_cpu.user_words``), as ``batchfit search SPEC --device cpu
+--memory-cap CAP`` asks it; the truth is ``max_vs_true_cpu.py``'s child code in plain
+processes.
 
 The device (DESIGN.md section 4): a process builds the model and AdamW, runs one training
 step at batch 1, frees that step's gradients and batch, sets ``RLIMIT_DATA`` = VmData +
@@ -11,10 +14,11 @@ threads), what a user's training script is (``max_vs_true_cpu.py``'s child code,
 that plain environment). The largest batch that fits in every one of 3 such processes is
 the true maximum; a batch above it that fits in some is reported as flaky (k of 3).
 
-For each model: the truth; then ``search_max_batch(spec, device="cpu",
-memory_cap_bytes=cap)`` with its defaults (the caller's threads and allocator, the
-answer run in 3 fresh processes) ``--repeats`` times, each from a running trial server
-(the library call in a running process, as the peers are called); its recommended batch
+For each model: the truth; then ``batchfit.search_max_batch(SPEC, device="cpu",
+memory_cap=CAP)`` with its defaults (the caller's threads and allocator, the answer run in
+3 fresh processes) ``--repeats`` times, each a whole call as a user makes it (its trial
+server started and stopped inside, so its wall time includes that start-up; before the
+words form, the searches shared one running server); its recommended batch
 re-run in 3 plain processes (it must never fail); and Lightning's
 ``scale_batch_size(mode="binsearch", steps_per_trial=2)`` in one plain capped process, its
 finder call timed as ``search_vs_peers.py`` times it. Wall times are medians.
@@ -109,14 +113,13 @@ def true_maximum(name: str, cap: int, guess: int) -> tuple[int, dict[int, list[b
     return lo, runs
 
 
-def run_search(name: str, cap: int, server) -> dict:
-    from batchfit.realrun.search import search_max_batch
+def run_search(name: str, cap: int) -> dict:
+    """``batchfit search SPEC --device cpu --memory-cap CAP`` in the library's words."""
+    import batchfit
 
-    spec = device.resolve(name)
     start = time.perf_counter()
-    result = search_max_batch(spec, None, device="cpu", memory_cap_bytes=cap,
-                              steps_per_trial=device.STEPS, optimizer=device.OPTIMIZER,
-                              trial_server=server)
+    result = batchfit.search_max_batch(device.MODELS[name]["spec"], memory_cap=cap,
+                                       steps_per_trial=device.STEPS, **device.user_words(name))
     return {"answer": result.max_batch_size, "recommended": result.recommended_batch_size,
             "wall_s": time.perf_counter() - start, "trials": len(result.trials),
             "boundary": [list(b) for b in result.boundary]}
@@ -148,20 +151,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.fractions:
         return fractions_main(args)
-    from batchfit.realrun.trial_server import TrialServer, model_source, preloads_for
-
     os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     os.environ.pop("OMP_NUM_THREADS", None)
     rows = []
     for name in args.models.split(","):
         cap = device.MODELS[name]["cap"]
         print(f"{name}: cap {cap >> 20} MiB", flush=True)
-        spec = device.resolve(name)
-        with TrialServer(preloads_for(model_source(spec)[0]), env=plain_env()) as server:
-            searches = []
-            for _ in range(args.repeats):
-                searches.append(run_search(name, cap, server))
-                print(f"  search: {searches[-1]}", flush=True)
+        searches = []
+        for _ in range(args.repeats):
+            searches.append(run_search(name, cap))
+            print(f"  search: {searches[-1]}", flush=True)
         truth, runs = true_maximum(name, cap, searches[0]["answer"])
         recommended = {r["recommended"] for r in searches}
         rec_runs = {b: [plain_trial(name, b, cap)["fits"] for _ in range(3)] for b in recommended}
@@ -191,8 +190,6 @@ def main() -> None:
 def fractions_main(args) -> None:
     """The statistic a noisy device allows: per batch, the fraction of plain processes in
     which it fits (``cpu_peak_spread.py`` shows why it is not 0 or 1 near the cap)."""
-    from batchfit.realrun.trial_server import TrialServer, model_source, preloads_for
-
     os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     os.environ.pop("OMP_NUM_THREADS", None)
     path = RESULTS / "search_fit_fraction.json"
@@ -200,9 +197,7 @@ def fractions_main(args) -> None:
     for name in args.models.split(","):
         cap = device.MODELS[name]["cap"]
         load = os.getloadavg()[0]
-        with TrialServer(preloads_for(model_source(device.resolve(name))[0]),
-                         env=plain_env()) as server:
-            searches = [run_search(name, cap, server) for _ in range(args.repeats)]
+        searches = [run_search(name, cap) for _ in range(args.repeats)]
         print(f"{name}: searches {searches}", flush=True)
         batches = sorted({b for s in searches
                           for b in (s["answer"], s["answer"] + 1, s["recommended"])})
@@ -225,8 +220,9 @@ def fractions_main(args) -> None:
 
 def write_fractions_table(rows: list[dict], runs: int) -> None:
     lines = ["# The capped-CPU search against the fit fraction of plain processes", "",
-             (f"AdamW, {device.STEPS} steps per trial. Search: the library call from a running "
-              "trial server (bisection in forked trials, settled in 3 exec'd fresh "
+             (f"AdamW, {device.STEPS} steps per trial. Search: the library call in words, its "
+              "own trial server started inside (bisection in forked trials, settled in 3 "
+              "exec'd fresh "
               "interpreters: the largest batch fitting 3 of 3, and the batch above's k of 3). "
               f"Plain: {runs} plain `python -c` processes per batch (torch's defaults, no "
               "MALLOC_MMAP_THRESHOLD_, no OMP_NUM_THREADS), the fraction that fitted. Lightning: "
@@ -277,14 +273,21 @@ def write_table(rows: list[dict], repeats: int) -> None:
     lines = ["# The capped-CPU search against a plain fresh process (torch's defaults)", "",
              (f"AdamW, {device.STEPS} steps per trial; truth: the largest batch that fits in 3 "
               "of 3 plain `python -c` processes (no MALLOC_MMAP_THRESHOLD_, no OMP_NUM_THREADS); "
-              f"batchfit's search with its defaults, {repeats} runs from a running trial "
-              "server (bisection in forked trials, the answer settled in exec'd fresh "
+              f"batchfit's search with its defaults, {repeats} whole library calls in words "
+              "(each starts its own trial server; bisection in forked trials, the answer "
+              "settled in exec'd fresh "
               "interpreters); Lightning binsearch in one plain capped process (finder call "
               "timed)."), "",
              ("| model | cap MiB | truth | flaky above (fits/runs) | batchfit answers | correct | "
               "recommended fits (plain) | trials | wall s | Lightning answers | "
               "Lightning trials | Lightning wall s | wall ratio |"), "|" + "---|" * 13]
     for r in rows:
+        if "correct" not in r:  # a row assembled from a stopped run's log: no truth yet
+            so_far = ", ".join(f"{b}: {k}" for b, k in r.get("plain_runs", {}).items())
+            lines.append(f"| {r['model']} | {r['cap_mib']} | not finished (plain runs so far: "
+                         f"{so_far or '-'}) | - | {', '.join(map(str, r['answers']))} | - | - | "
+                         "- | - | - | - | - | - |")
+            continue
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
         lwall = f"{r['lightning_wall_s']:.1f}" if r["lightning_wall_s"] else "-"
         lines.append(

@@ -34,7 +34,8 @@ FORBIDDEN = {
 #: Accuracy benchmarks, asked in the user's words (the public API or the CLI).
 ACCURACY = ("llm_published.py", "gpu_brackets.py", "max_vs_true_cpu.py",
             "published_sharded_users.py", "published_gpu_points.py", "recipes_published.py",
-            "noise_closed_form.py", "noise_tradeoff.py")
+            "noise_closed_form.py", "noise_tradeoff.py", "bench_knee.py",
+            "search_user_process.py")
 
 #: Modules an accuracy benchmark may import for what is not the prediction, with the reason.
 TRUTH_SIDE = {
@@ -42,6 +43,12 @@ TRUTH_SIDE = {
         "batchfit.models.resolve": "the truth's real step is built from the spec the user "
                                    "names, by the same resolver",
         "batchfit.realrun.trial_server": "the truth: capped real trials in fresh processes",
+    },
+    "bench_knee.py": {
+        "batchfit.speed.knee": "the dense reference's batches (batch_grid: every power of two "
+                               "and midpoint) and the auto planner replayed on the dense "
+                               "sweep's own numbers (next_auto_batch, find_knee): the "
+                               "reference and a diagnostic of the planner, not the answer",
     },
     "gpu_brackets.py": {
         "batchfit.answers": "--trace-cache: a rerun reuses a row's traces, patched in the row's "
@@ -79,6 +86,9 @@ HARNESSES = {
                           "batchfit predicts nothing",
     "search_trials.py": "where a real-device search spends its steps: the trial's internals "
                         "instrumented",
+    "bench_knee_roofline.py": "the roofline with rates measured on this CPU (measure_cpu_profile, "
+                              "fastest_profile) against bench_knee.py's dense sweep: in words "
+                              "throughput is predicted for catalog GPUs only",
     "sharded_vs_gloo.py": "exactness of each rank's trace against real gloo runs: a "
                           "tensors-only CPU profile and tiny DDP/DeepSpeed buckets "
                           "(bucket_cap_mb, deepspeed=) that no option sets",
@@ -107,10 +117,6 @@ TOOLS = {
 PENDING = {
     "accuracy_cpu.py": "its cases are zoo.py's factories with hand-made TrainConfigs (no spec "
                        "string), and the exact rows trace and replay through the engine",
-    "bench_knee.py": "batchfit.bench on a real device has no words API yet (a factory and a "
-                     "TrainConfig), and it reads the CPU profile's internals",
-    "search_user_process.py": "batchfit.search_max_batch has no words API yet: it takes a "
-                              "factory and a TrainConfig",
 }
 
 LISTS = {"ACCURACY": dict.fromkeys(ACCURACY, ""), "HARNESSES": HARNESSES, "SPEED": SPEED,

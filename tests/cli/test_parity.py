@@ -33,6 +33,13 @@ MODELS = textwrap.dedent("""
     def blocks():
         layers = [nn.Linear(64, 64) for _ in range(3)] + [nn.Linear(64, 10)]
         return nn.Sequential(*layers), TensorSpec((64,))
+
+    def wide():
+        # 64 MiB a sample, in two 32 MiB tensors (the input and the ReLU's output, kept for
+        # the Linear's backward): glibc maps each on its own, whatever its dynamic mmap
+        # threshold, so a capped search's boundary does not move with the heap's layout
+        # (which differs from process to process by tens of MiB: realrun/fresh.py)
+        return nn.Sequential(nn.ReLU(), nn.Linear(1024, 16)), TensorSpec((8192, 1024))
 """)
 # (id, command line, library function, its keywords); "{conv}", "{blocks}" and "{keras}"
 # stand for the model files written by the fixture
@@ -162,7 +169,7 @@ def files(tmp_path_factory, keras_file):
     folder = tmp_path_factory.mktemp("parity")
     (folder / "models.py").write_text(MODELS)
     return {"conv": f"{folder}/models.py:conv", "blocks": f"{folder}/models.py:blocks",
-            "keras": f"{keras_file}:cnn"}
+            "wide": f"{folder}/models.py:wide", "keras": f"{keras_file}:cnn"}
 
 
 def _both(files, argv, function, words):
@@ -326,3 +333,132 @@ def test_plan_chooses_the_checkpoint_dtype_in_the_library(files):
                            "checkpointing": "off", "offload": "none", **QWEN_WORDS})
     assert (data["precision"], data["precision_source"]) == ("amp-fp16", "checkpoint bfloat16")
     assert [row["strategy"] for row in data["layouts"]] == ["ddp"]
+
+
+# -- measured on the real device: search and bench ---------------------------------------
+
+#: What a run measures: wall times, and the process's own bytes (each trial's VmData, which
+#: moves by a few pages between processes). The search chooses its next trial, and the
+#: headroom of its recommendation, from those bytes, so the trials and the recommended batch
+#: can differ by a batch between two runs; the answer (on a model whose boundary the heap's
+#: layout cannot move), the prediction it started from and the boundary are determined by
+#: the model, the options and the machine.
+SEARCH_MEASURED = {"seconds", "overhead_bytes", "trials", "recommended_batch_size"}
+#: A bench's timings differ between two runs on a shared machine (the library has no
+#: seam for a fake clock), and so do what follows from them: the knee and the best batch,
+#: the recommendation and the memory left at it, the epoch time, the stability verdict.
+BENCH_TIMED = {"step_s", "step_iqr_s", "step_low_s", "step_high_s", "samples_per_s",
+               "repeats", "steps", "seconds", "knee_batch_size", "best_batch_size",
+               "best_samples_per_s", "recommended_batch_size", "memory_left_bytes",
+               "epoch_s", "elapsed_s", "measure_s", "stability"}
+
+
+def _determined(data, measured):
+    if isinstance(data, dict):
+        return {k: _determined(v, measured) for k, v in data.items() if k not in measured}
+    if isinstance(data, list):
+        return [_determined(item, measured) for item in data]
+    return data
+
+
+@pytest.mark.slow  # real trials in forked processes
+def test_search_in_words_answers_what_the_cli_answers(files):
+    from_cli, from_library = _both(
+        files, ["search", "{wide}", "--device", "cpu", "--memory-cap", "300MiB",
+                "--boundary-runs", "1", "--optimizer", "sgd"],
+        "search_max_batch", {"device": "cpu", "memory_cap": "300MiB", "boundary_runs": 1,
+                             "optimizer": "sgd"})
+    assert _determined(from_library, SEARCH_MEASURED) == _determined(from_cli, SEARCH_MEASURED)
+    assert from_cli["memory_cap_bytes"] == 300 << 20 and from_cli["model"] == files["wide"]
+    for data in (from_cli, from_library):  # both found the same boundary by real trials
+        answer = data["max_batch_size"]
+        assert {t["fits"] for t in data["trials"] if t["batch_size"] <= answer} == {True}
+        assert {t["fits"] for t in data["trials"] if t["batch_size"] > answer} == {False}
+        assert data["recommended_batch_size"] <= answer
+
+
+@pytest.mark.slow  # real steps, timed
+def test_measured_bench_in_words_answers_what_the_cli_answers(files):
+    from_cli, from_library = _both(
+        files, ["bench", "{conv}", "--device", "cpu", "--memory", "1GiB", "--batches", "1,2",
+                "--time-budget", "60s", "--dataset-size", "100"],
+        "bench", {"device": "cpu", "memory": "1GiB", "batches": "1,2", "time_budget": "60s",
+                  "dataset_size": 100})
+    assert _determined(from_library, BENCH_TIMED) == _determined(from_cli, BENCH_TIMED)
+    assert [(p["batch_size"], p["status"]) for p in from_cli["points"]] == \
+        [(1, "measured"), (2, "measured")]
+    assert (from_cli["memory_bytes"], from_cli["memory_source"], from_cli["time_budget_s"]) \
+        == (1 << 30, "given", 60)
+
+
+# each check the commands made in the CLI, made by the library: (command line, library
+# function and keywords, the flag-worded and the keyword-worded fragment of the message)
+MEASURED_CHECKS = [
+    (["search", "--steps-per-trial", "1"], "search_max_batch", {"steps_per_trial": 1},
+     "--steps-per-trial must be at least 2", "steps_per_trial must be at least 2"),
+    (["search", "--boundary-runs", "0"], "search_max_batch", {"boundary_runs": 0},
+     "--boundary-runs must be at least 1", "boundary_runs must be at least 1"),
+    (["search", "--memory-cap", "100TiB"], "search_max_batch", {"memory_cap": "100TiB"},
+     "--memory-cap 100TiB is larger than this machine's memory",
+     "memory_cap='100TiB' is larger than this machine's memory"),
+    (["search", "--device", "npu"], "search_max_batch", {"device": "npu"},
+     "unknown device 'npu'", "unknown device 'npu'"),
+    (["bench", "--time-budget", "soon"], "bench", {"time_budget": "soon"},
+     "bad --time-budget soon", "bad time_budget='soon'"),
+    (["bench", "--dataset-size", "0"], "bench", {"dataset_size": 0},
+     "--dataset-size must be a positive integer", "dataset_size must be a positive integer"),
+    (["bench", "--batches", "0,4"], "bench", {"batches": "0,4"},
+     "bad --batches 0,4", "bad batches='0,4'"),
+    (["bench", "--predict"], "bench", {"predict": True},
+     "--predict needs --gpu NAME", "predict=True needs gpu='NAME'"),
+    (["bench", "--gpu", "T4"], "bench", {"gpu": "T4"},
+     "--gpu goes with --predict", "gpu goes with predict=True"),
+    (["bench", "--stack", "torch2.4+cu124"], "bench", {"stack": "torch2.4+cu124"},
+     "--stack describes a predicted process: add --predict --gpu NAME",
+     "stack describes a predicted process: add predict=True gpu='NAME'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "function", "words", "flagged", "keyworded"),
+                         MEASURED_CHECKS, ids=[" ".join(c[0]) for c in MEASURED_CHECKS])
+def test_measured_checks_name_the_option_in_the_callers_words(files, argv, function, words,
+                                                              flagged, keyworded):
+    command, *flags = argv
+    result = runner.invoke(app, [command, files["wide"], *flags])
+    assert result.exit_code == 2, result.output
+    assert flagged in " ".join(result.output.split())
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    with pytest.raises(batchfit.InvalidInputError) as raised:
+        getattr(batchfit, function)(files["wide"], **words)
+    assert keyworded in str(raised.value)
+
+
+@pytest.mark.slow  # real steps, timed
+def test_bench_without_memory_says_so_in_a_note(files):
+    """No memory= on the CPU: the library chooses the memory available now and says so in
+    the answer's notes (before, the CLI alone printed that line); the CLI prints it."""
+    answer = batchfit.bench(files["blocks"], device="cpu", batches="1,2", time_budget="30s",
+                            mode="infer")
+    assert answer.memory_source == "available"
+    assert [n for n in answer.notes if n.startswith("bench: no memory: using the ")]
+    result = runner.invoke(app, ["bench", files["blocks"], "--batches", "1,2", "--time-budget",
+                                 "30s", "--mode", "infer"])
+    assert result.exit_code == 0, result.output
+    assert "bench: no --memory: using the " in result.stderr
+
+
+def test_a_spec_string_with_the_engines_keywords_still_reaches_the_engine(monkeypatch, files):
+    """batchfit.search_max_batch took a spec string with the engine's keywords before the
+    words form existed (``memory_cap_bytes=``, positional inputs): those calls still go to
+    :func:`batchfit.realrun.search.search_max_batch`; the command's words go to the words
+    form."""
+    from batchfit.api import measured
+    from batchfit.realrun import search
+
+    seen = []
+    monkeypatch.setattr(search, "search_max_batch", lambda *a, **k: seen.append("engine"))
+    monkeypatch.setattr(measured, "search_words", lambda *a, **k: seen.append("words"))
+    batchfit.search_max_batch(files["wide"], None, device="cpu", memory_cap_bytes=1 << 26)
+    batchfit.search_max_batch(files["wide"], device="cpu", memory_cap_bytes=1 << 26)
+    batchfit.search_max_batch(files["wide"], device="cpu", memory_cap="64MiB")
+    assert seen == ["engine", "engine", "words"]

@@ -22,6 +22,7 @@ from batchfit.speed import bench as bench_module
 from batchfit.speed.bench import (
     PointStatus,
     ThroughputPoint,
+    _measure_rounds,
     _run_auto,
     bench,
     size_inference,
@@ -488,6 +489,30 @@ def test_a_time_budget_skip_does_not_walk_down_one_batch_at_a_time():
     measured = [p.batch_size for p in points if p.measured]
     assert max(measured) <= 5000 and len(measured) >= 4
     assert len(sweep.seen) == len(set(sweep.seen))  # nothing is asked twice
+
+
+class LateBudgetSweep(BudgetSweep):
+    """Round 1 measures every batch; from round 2 on the time budget has run out."""
+
+    def __init__(self, batches: int):
+        super().__init__(in_time=1 << 30)
+        self.batches = batches
+
+    def measure(self, batch_size: int) -> ThroughputPoint:
+        if len(self.seen) >= self.batches:
+            self.in_time = 0
+        return super().measure(batch_size)
+
+
+def test_a_batch_measured_before_the_time_budget_ran_out_keeps_its_measurement():
+    # bench_knee.py's dense sweep (3 interleaved rounds under the default 120 s budget) ended
+    # in "ValueError: min() arg is an empty sequence": every batch measured in round 1 was
+    # skipped in round 2, and the skip replaced the measurement, so nothing was left.
+    sweep = LateBudgetSweep(batches=3)
+    points = _measure_rounds(sweep, [1, 2, 4], rounds=3)
+    assert [(p.batch_size, p.status) for p in points] == \
+        [(b, PointStatus.MEASURED) for b in (1, 2, 4)]
+    assert [p.step_s for p in points] == [b / saturating(b) for b in (1, 2, 4)]
 
 
 def test_knee_stability_by_hand():

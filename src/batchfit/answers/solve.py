@@ -75,8 +75,8 @@ class NothingFits(DoesNotFitError):
     def __init__(self, needed_bytes: int, budget_bytes: int, *, smallest: int = 1,
                  axis: str = "batch size"):
         super().__init__(
-            f"{axis} {smallest} already needs {_format_bytes(needed_bytes)}, over the budget "
-            f"of {_format_bytes(budget_bytes)}: use a larger device, lower precision, "
+            f"{axis} {smallest} already needs {format_size(needed_bytes)}, over the budget "
+            f"of {format_size(budget_bytes)}: use a larger device, lower precision, "
             "activation checkpointing or a smaller model",
             needed_bytes, budget_bytes)
         self.budget_bytes = budget_bytes
@@ -506,7 +506,8 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _format_bytes(n: int) -> str:
+def format_size(n: int) -> str:
+    """``n`` bytes as a person reads them: GiB from 1 GiB up, MiB below."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 

@@ -21,8 +21,13 @@ from batchfit.api.answers import (
     predict_throughput_words,
 )
 
-__all__ = ["Answer", "estimate", "max_batch_size", "max_seq_len", "plan", "predict_throughput",
-           "serve"]
+__all__ = ["Answer", "bench", "estimate", "max_batch_size", "max_seq_len", "plan",
+           "predict_throughput", "search_max_batch", "serve"]
+
+#: The engine's own keywords of :func:`batchfit.realrun.search.search_max_batch`: a spec
+#: string called with them (or with positional inputs) keeps going to the engine.
+_SEARCH_ENGINE_WORDS = frozenset({"inputs", "config", "memory_cap_bytes", "predicted",
+                                  "trial_server", "process_group", "parallel", "loader"})
 
 
 def estimate(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -136,3 +141,56 @@ def plan(model: Any, *args: Any, **kwargs: Any) -> Any:
     from batchfit.speed.plan import plan as plan_module
 
     return plan_module(model, *args, **kwargs)
+
+
+def bench(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """Throughput against batch size on a real device, and the fastest batch.
+
+    ``bench(model, inputs, config=None, *, device=..., memory_bytes=..., ...)`` with a
+    module or factory (:func:`batchfit.speed.bench.bench`); ``bench("timm:resnet18",
+    device="cpu", memory="4GiB", batches="16,32")`` with a spec string and the names of
+    ``batchfit bench`` (:func:`batchfit.api.measured.bench_words`, an :class:`Answer`;
+    ``predict=True, gpu=NAME`` predicts instead of measuring).
+
+    Example:
+        >>> import batchfit
+        >>> answer = batchfit.bench("torchvision:resnet18", device="cpu", memory="4GiB",
+        ...                         batches="1,2", input_shape="3x64x64", time_budget="30s")
+        >>> answer.recommended_batch_size in (1, 2)
+        True
+    """
+    if isinstance(model, str):
+        from batchfit.api.measured import bench_words
+
+        return bench_words(model, *args, **kwargs)
+    from batchfit.speed.bench import bench as bench_module
+
+    return bench_module(model, *args, **kwargs)
+
+
+def search_max_batch(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """The exact largest batch on the real device, in a few real steps from the prediction.
+
+    ``search_max_batch(model, inputs=None, config=None, *, device=..., memory_cap_bytes=...,
+    ...)`` with a module, a factory or a model spec (:func:`batchfit.realrun.search.
+    search_max_batch`); ``search_max_batch("timm:resnet18", device="cpu",
+    memory_cap="2GiB", input_shape="3x64x64")`` with a spec string and the names of
+    ``batchfit search`` (:func:`batchfit.api.measured.search_words`, an :class:`Answer`).
+    A spec string with positional inputs or the engine's keywords (``memory_cap_bytes``,
+    ``config``...) goes to the engine, as before.
+
+    Example:
+        >>> import batchfit
+        >>> answer = batchfit.search_max_batch("torchvision:resnet18", device="cpu",
+        ...                                    memory_cap="512MiB", input_shape="3x64x64",
+        ...                                    boundary_runs=1)
+        >>> answer.max_batch_size > 0
+        True
+    """
+    if isinstance(model, str) and not args and not _SEARCH_ENGINE_WORDS & kwargs.keys():
+        from batchfit.api.measured import search_words
+
+        return search_words(model, **kwargs)
+    from batchfit.realrun.search import search_max_batch as search_module
+
+    return search_module(model, *args, **kwargs)

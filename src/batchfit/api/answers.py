@@ -11,7 +11,7 @@ flags into these calls (flag ``--seq-len`` -> keyword ``seq_len``; ``--input`` -
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,13 +221,29 @@ def max_seq_len_words(model: str, batch_size: int, *, margin: float = 0.0,
     return Answer(model, result, prepared.choices, prepared.notes)
 
 
+def batch_list(batches: str | Sequence[int]) -> str | list[int]:
+    """``"auto"``, or the sorted distinct batch sizes of ``"16,32,64"`` or a list; one line
+    naming the option otherwise."""
+    if isinstance(batches, str) and batches.strip().lower() == "auto":
+        return "auto"
+    items = batches.replace(" ", "").split(",") if isinstance(batches, str) else list(batches)
+    try:
+        values = [int(v) for v in items if v != ""]
+    except (TypeError, ValueError):
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise InvalidInputError(f"bad {option('batches', batches)}: use auto or a "
+                                "comma-separated list like 16,32,64")
+    return sorted(set(values))
+
+
 def predict_throughput_words(model: str, *, gpu: str, memory: str | None = None,
                              batches: Any = "auto", dataset_size: int | None = None,
                              **words: Any) -> Answer:
     """Predicted step time and throughput against batch size of the model named ``model`` on
     the catalog card ``gpu`` (``memory``: that card with this much memory), as ``batchfit
-    bench --predict`` asks it. ``batches``: ``"auto"`` or a list of batch sizes. ``words``:
-    the step's and the stack's options as keywords."""
+    bench --predict`` asks it. ``batches``: ``"auto"``, ``"16,32,64"`` or a list of batch
+    sizes. ``words``: the step's and the stack's options as keywords."""
     from batchfit.api.target import predicted_card
     from batchfit.engine.spec import parse_size
     from batchfit.speed.roofline import predict_throughput
@@ -242,7 +258,7 @@ def predict_throughput_words(model: str, *, gpu: str, memory: str | None = None,
     step = resolve_step(model, **step_words, **settings)
     choices, notes = chosen(gpu, step.spec, step.config)
     result = predict_throughput(step.spec.factory, step.inputs, step.config, gpu=card,
-                                batches=batches, dataset_size=dataset_size)
+                                batches=batch_list(batches), dataset_size=dataset_size)
     return Answer(model, result, choices, tuple(notes))
 
 

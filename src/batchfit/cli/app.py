@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import re
 import signal
 import warnings
 from typing import Any, Optional
@@ -23,11 +22,8 @@ from batchfit._gc import one_command_process
 from batchfit.cli.common import (
     check_plot,
     emit_json,
-    err,
     errors,
     out,
-    parse_batches,
-    predicted_only,
     print_notes,
 )
 from batchfit.cli.interrupt import exit_on_interrupt
@@ -45,7 +41,6 @@ from batchfit.cli.options import (
 )
 from batchfit.cli.progress import bench_progress, progress, trial_text
 from batchfit.cli.root import app
-from batchfit.engine.spec import parse_duration, parse_size
 from batchfit.errors import InvalidInputError
 
 #: What estimate and max ask the library with (batchfit.api.answers' keyword groups).
@@ -166,6 +161,11 @@ def _print_max_batch(answer: Any, as_json: bool, plot: str | None, html: str | N
         out.print(line, soft_wrap=True, highlight=False)
 
 
+def given(**values: Any) -> dict[str, Any]:
+    """The options the user gave: the library's defaults stand for the others."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def _print_seq_len(answer: Any, as_json: bool) -> None:
     if as_json:
         emit_json(answer.to_dict())
@@ -184,71 +184,39 @@ def _print_seq_len(answer: Any, as_json: bool) -> None:
 @takes(*STEP_OPTIONS)
 def search_cmd(
     model: str = ModelArg,
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda:N: the device to run on"),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu (default) or cuda:N: the "
+                                         "device to run on", show_default=False),
     memory_cap: Optional[str] = typer.Option(
         None, "--memory-cap", help="CPU: bytes a trial may use beyond its warmed-up state; "
         "CUDA: the allocator's limit (what if my card were smaller)"),
-    steps_per_trial: int = typer.Option(2, "--steps-per-trial", help="real steps per trial (>= 2)"),
-    boundary_runs: int = typer.Option(
-        3, "--boundary-runs",
-        help="CPU: exec'd fresh processes the answer must fit in (the batch above runs as "
+    steps_per_trial: Optional[int] = typer.Option(
+        None, "--steps-per-trial", help="real steps per trial (2; at least 2)",
+        show_default=False),
+    boundary_runs: Optional[int] = typer.Option(
+        None, "--boundary-runs", show_default=False,
+        help="CPU: exec'd fresh processes the answer must fit in (3; the batch above runs as "
         "often); 1: no settling, the forked trials' answer"),
     as_json: bool = option("as_json"), debug: bool = option("debug"), words: Any = None,
 ) -> None:
     """Find the exact largest batch on the real device, starting from the prediction."""
     with errors(debug, {"model": model} if as_json else None):
-        if boundary_runs < 1:
-            raise InvalidInputError(f"--boundary-runs must be at least 1, not {boundary_runs}")
-        if steps_per_trial < 2:
-            raise InvalidInputError(
-                f"--steps-per-trial must be at least 2 (the first step creates the optimizer "
-                f"state; the peak is the steady state's), not {steps_per_trial}")
-        text = device.strip().lower()
-        if text != "cpu" and not re.fullmatch(r"cuda(:\d+)?", text):
-            raise InvalidInputError(f"unknown device {device!r}: use cpu or cuda:N (e.g. cuda:0)")
-        if text.startswith("cuda"):
-            from batchfit.device.catalog import live_gpu
-
-            live_gpu(int(text.partition(":")[2] or 0))  # one clear line if it does not exist
-        cap = parse_size(memory_cap) if memory_cap is not None else None
-        if cap is not None and text == "cpu":
-            total = _machine_memory_bytes()
-            if total is not None and cap > total:
-                from batchfit.cli.report import format_bytes
-
-                raise InvalidInputError(
-                    f"--memory-cap {memory_cap} is larger than this machine's memory "
-                    f"({format_bytes(total)}): give a smaller cap")
-        from batchfit.api.step import resolve_step
-        from batchfit.realrun.search import search_max_batch
-
-        step = resolve_step(model, **words)
+        from batchfit.api.measured import search_words
 
         with progress("search", f"predicting {model}'s largest batch (two traces), then "
-                      f"trials on {device}") as status:
+                      "real trials") as status:
             def on_trial(trial: Any) -> None:
                 status.done(trial_text(trial))
 
-            result = search_max_batch(step.spec, step.inputs, step.config, device=text,
-                                      memory_cap_bytes=cap, steps_per_trial=steps_per_trial,
-                                      boundary_runs=boundary_runs, on_trial=on_trial)
+            answer = search_words(model, memory_cap=memory_cap, on_trial=on_trial,
+                                  **given(device=device, steps_per_trial=steps_per_trial,
+                                          boundary_runs=boundary_runs), **words)
+        print_notes(answer.notes)
         if as_json:
-            emit_json({"model": model, **result.to_dict()})
+            emit_json(answer.to_dict())
             return
         from batchfit.cli.report import render_search
 
-        out.print(render_search(result, model))
-
-
-def _machine_memory_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+        out.print(render_search(answer.result, model))
 
 
 @app.command("bench")
@@ -261,9 +229,9 @@ def bench_cmd(
     memory: Optional[str] = typer.Option(
         None, "--memory", help="memory budget on --device, e.g. 8GiB (default on the CPU: the "
         "memory this machine has available); with --gpu NAME --predict, that card's memory"),
-    time_budget: str = typer.Option(
-        "120s", "--time-budget",
-        help="measuring stops short of batches that would end past this, e.g. 5m"),
+    time_budget: Optional[str] = typer.Option(
+        None, "--time-budget", show_default=False,
+        help="measuring stops short of batches that would end past this, e.g. 5m (120s)"),
     batches: str = typer.Option("auto", "--batches", help="auto, or a list like 16,32,64"),
     dataset_size: Optional[int] = typer.Option(None, "--dataset-size",
                                                help="samples per epoch, for the epoch time"),
@@ -281,29 +249,25 @@ def bench_cmd(
     with errors(debug):
         check_plot(plot)
         outputs.check_outputs(html, None)
-        if predict and not gpu:
-            raise InvalidInputError("--predict needs --gpu NAME: the card to predict for")
-        if gpu is not None and not predict:
-            raise InvalidInputError("--gpu goes with --predict; to measure, use --device cpu|cuda:N")
-        predicted_only(predict, "bench", **{key: words[key] for key in STACK_OPTIONS})
-        batch_list = parse_batches(batches)
-        if predict:
-            from batchfit.api.answers import predict_throughput_words
+        from batchfit.api.measured import bench_words
 
+        if predict:
             with progress("bench", f"predicting {model} on {gpu}"):
-                answer = predict_throughput_words(model, gpu=gpu, memory=memory,
-                                                  batches=batch_list, dataset_size=dataset_size,
-                                                  **words)
-            result, fields, said = answer.result, answer.choices, answer.notes
+                answer = bench_words(model, device=device, gpu=gpu, predict=True, memory=memory,
+                                     batches=batches, dataset_size=dataset_size, **words)
         else:
-            result, fields, said = _measure(model, device, memory, time_budget, batch_list,
-                                            dataset_size, alignment, words)
-        print_notes(said)
+            with bench_progress("bench") as (on_measure, on_point):
+                answer = bench_words(model, device=device, gpu=gpu, memory=memory,
+                                     **given(time_budget=time_budget), batches=batches,
+                                     dataset_size=dataset_size, alignment=alignment,
+                                     on_measure=on_measure, on_point=on_point, **words)
+        print_notes(answer.notes)
+        result = answer.result
         if plot:
             from batchfit.cli.plot import plot_throughput
 
             plot_throughput(result, plot)
-        data = {"model": model, **fields, **result.to_dict()}
+        data = answer.to_dict()
         written = outputs.write_answer_report("bench", data, f"batchfit bench {model}", html)
         if as_json:
             emit_json(data)
@@ -313,33 +277,6 @@ def bench_cmd(
         out.print(render_bench(result, model))
         for line in ([f"plot written to {plot}"] if plot else []) + written:
             out.print(line, soft_wrap=True, highlight=False)
-
-
-def _measure(model: str, device: str | None, memory: str | None, time_budget: str,
-             batches: Any, dataset_size: int | None, alignment: bool,
-             words: dict[str, Any]) -> tuple[Any, dict[str, Any], tuple[str, ...]]:
-    """``bench`` on a real device: the step the library resolves, measured in this process."""
-    from batchfit.api.step import resolve_step
-    from batchfit.api.target import chosen
-    from batchfit.speed.bench import bench
-
-    if dataset_size is not None and dataset_size < 1:
-        raise InvalidInputError(f"--dataset-size must be a positive integer, not {dataset_size}")
-    memory_bytes = parse_size(memory) if memory is not None else None
-    budget_s = parse_duration(time_budget)
-    step = resolve_step(model, **{k: v for k, v in words.items() if k not in STACK_OPTIONS})
-    fields, notes = chosen(None, step.spec)
-    with bench_progress("bench") as (on_measure, on_point):
-        result = bench(step.spec.factory, step.inputs, step.config, device=device or "cpu",
-                       memory_bytes=memory_bytes, batches=batches, dataset_size=dataset_size,
-                       alignment=alignment, time_budget_s=budget_s, on_measure=on_measure,
-                       on_point=on_point)
-    if result.memory_source == "available":
-        from batchfit.cli.report import format_bytes
-
-        err.print(f"bench: no --memory: using the {format_bytes(result.memory_bytes)} "
-                  "this machine has available now", highlight=False)
-    return result, fields, tuple(notes)
 
 
 @app.command("gpus")

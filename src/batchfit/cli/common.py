@@ -73,16 +73,10 @@ def check_plot(path: str | None) -> None:
 
 
 def parse_batches(text: str) -> Any:
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        values = [int(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise InvalidInputError(
-            f"bad --batches {text!r}: use auto or a comma-separated list like 16,32,64")
-    return sorted(set(values))
+    """``--batches``: auto or a list (:func:`batchfit.api.answers.batch_list`)."""
+    from batchfit.api.answers import batch_list
+
+    return batch_list(text)
 
 
 def predicted_only(predict: bool, command: str, stack: str | None, torch_version: str | None,

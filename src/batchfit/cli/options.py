@@ -126,7 +126,10 @@ OWN_FLAGS = {"batch_size": "--batch-size", "memory": "--memory", "margin": "--ma
              "max_batch_limit": "--max-batch-limit", "snapshot": "--snapshot",
              "dataset_size": "--dataset-size", "batches": "--batches", "gpus": "--gpus",
              "global_batch": "--global-batch", "strategies": "--strategies",
-             "network_gbs": "--network-gbs",
+             "network_gbs": "--network-gbs", "predict": "--predict",
+             "time_budget": "--time-budget", "alignment": "--alignment",
+             "memory_cap": "--memory-cap", "steps_per_trial": "--steps-per-trial",
+             "boundary_runs": "--boundary-runs",
              **{keyword: "--" + keyword.replace("_", "-") for keyword in (  # serve's own
                  "engine", "max_model_len", "gpu_memory_utilization", "dtype", "kv_dtype",
                  "block_size", "max_num_batched_tokens", "max_num_seqs", "non_torch",

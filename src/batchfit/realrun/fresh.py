@@ -57,13 +57,15 @@ _CHILD = "from batchfit.realrun.fresh import child_main; child_main()"
 
 
 class _Child:
-    """One started interpreter: it prepares, then waits for a batch size on stdin."""
+    """One started interpreter: it reads the request from the inherited descriptor
+    ``request_fd``, prepares, then waits for a batch size on stdin."""
 
-    def __init__(self, request_path: str, env: dict[str, str]):
+    def __init__(self, request_fd: int, env: dict[str, str]):
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the child
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, request_path], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self.stderr, env=env, preexec_fn=helper_preexec())
+            [sys.executable, "-c", _CHILD, str(request_fd)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.stderr, env=env, pass_fds=(request_fd,),
+            preexec_fn=helper_preexec())
         self.started = time.perf_counter()
 
     def go(self, batch_size: int) -> None:
@@ -125,17 +127,20 @@ class FreshPool:
 
         self.cap, self.parallel, self.timeout_s = request.cap_bytes, max(1, parallel), timeout_s
         self.env = env
-        handle, self.path = tempfile.mkstemp(prefix="batchfit-request-", suffix=".pkl")
-        with os.fdopen(handle, "wb") as out:
-            pickle.dump({"request": request.preparation(),
-                         "sys_path": list(sys.path),
-                         "main_path": _main_path(), "cwd": os.getcwd()}, out)
+        # The request lives in a file without a name (unlinked as it is created), which each
+        # interpreter inherits as a descriptor: nothing is left in the temporary folder
+        # whichever way this process ends (an exception, Ctrl-C's os._exit in the CLI,
+        # SIGKILL), and no child can find it gone because close() ran first.
+        self.request_file = tempfile.TemporaryFile(prefix="batchfit-request-")  # noqa: SIM115
+        pickle.dump({"request": request.preparation(), "sys_path": list(sys.path),
+                     "main_path": _main_path(), "cwd": os.getcwd()}, self.request_file)
+        self.request_file.flush()
         self.ready: list[_Child] = []
 
     def start(self) -> None:
         """Start the interpreters ahead (they prepare while the caller does other work)."""
         while len(self.ready) < self.parallel:
-            self.ready.append(_Child(self.path, self.env))
+            self.ready.append(_Child(self.request_file.fileno(), self.env))
 
     def run(self, batch_size: int, count: int, *, until_failure: bool = False) -> list[Trial]:
         """``count`` fresh runs at ``batch_size``, ``parallel`` at a time; with
@@ -156,8 +161,7 @@ class FreshPool:
         for child in self.ready:
             child.kill()
         self.ready = []
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
+        self.request_file.close()
 
 
 def parallel_runs(cap_bytes: int | None, available_bytes: int, at_most: int = 2) -> int:
@@ -235,11 +239,11 @@ def settle_boundary(answer: int, confirm: Callable[[int, int, bool], list[Trial]
 
 def child_main(argv: Sequence[str] | None = None) -> None:
     """Entry point of a fresh trial interpreter (internal): see the module docstring."""
-    path = (argv if argv is not None else sys.argv)[1]
+    request_fd = int((argv if argv is not None else sys.argv)[1])
     reply = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything the model prints goes to stderr, never into the reply
     try:
-        result = _prepare_and_run(path)
+        result = _prepare_and_run(request_fd)
         message = ("result", result)
     except BaseException as exc:  # noqa: BLE001 - sent back and re-raised in the parent
         from batchfit.realrun.trial_server import _packed_exception
@@ -250,9 +254,18 @@ def child_main(argv: Sequence[str] | None = None) -> None:
     reply.close()
 
 
-def _prepare_and_run(path: str) -> dict[str, Any] | None:
-    with open(path, "rb") as source:
-        setup_data = pickle.load(source)
+def _prepare_and_run(request_fd: int) -> dict[str, Any] | None:
+    # read from offset 0 with pread: the interpreters of a pool share the descriptor's file
+    # offset, and may read at the same time
+    size = os.fstat(request_fd).st_size
+    raw = b""
+    while len(raw) < size:
+        chunk = os.pread(request_fd, size - len(raw), len(raw))
+        if not chunk:
+            break
+        raw += chunk
+    os.close(request_fd)
+    setup_data = pickle.loads(raw)
     sys.path[:] = setup_data["sys_path"]
     with contextlib.suppress(OSError):
         os.chdir(setup_data["cwd"])

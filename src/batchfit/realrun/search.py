@@ -387,7 +387,7 @@ def _inputs_from_loader(loader: Any) -> Any:
         f"cannot read an input spec from a {type(batch).__name__} batch: give inputs")
 
 
-def _machine_memory() -> tuple[int, int]:
+def machine_memory_bytes() -> tuple[int, int]:
     """(MemTotal, MemAvailable) in bytes."""
     found: dict[str, int] = {}
     with open("/proc/meminfo") as meminfo:
@@ -572,7 +572,7 @@ class _CpuSearch(_Search):
             trial_request,
         )
 
-        total, available = _machine_memory()
+        total, available = machine_memory_bytes()
         if cap_bytes is not None and cap_bytes > total:
             raise InvalidInputError(
                 f"memory cap {cap_bytes} B is larger than this machine's {total} B of memory")

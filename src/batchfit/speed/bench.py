@@ -75,7 +75,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchfit.engine.spec import Mode, TrainConfig, make_config
-from batchfit.errors import DoesNotFitError, InvalidInputError, ModelSpecError
+from batchfit.errors import DoesNotFitError, InvalidInputError, ModelSpecError, option
 from batchfit.speed.bench_result import (
     AlignmentResult,
     BenchResult,
@@ -471,7 +471,9 @@ def _merge_runs(batch_size: int, runs: Sequence[ThroughputPoint]) -> ThroughputP
 
 
 def _measure_rounds(sweep: _Sweep, batches: Sequence[int], rounds: int) -> list[ThroughputPoint]:
-    """Each batch once per round, in interleaved rounds; each batch's fastest round counts."""
+    """Each batch once per round, in interleaved rounds; each batch's fastest round counts.
+    A batch measured in an earlier round and skipped for the time budget in a later one
+    keeps its measurement (the budget says nothing about its memory or its speed)."""
     timing = sweep.timing
     runs: dict[int, list[ThroughputPoint]] = {b: [] for b in batches}
     failed: dict[int, ThroughputPoint] = {}
@@ -484,7 +486,7 @@ def _measure_rounds(sweep: _Sweep, batches: Sequence[int], rounds: int) -> list[
                 point = sweep.measure(b)
                 if point.measured:
                     runs[b].append(point)
-                else:
+                elif not (runs[b] and point.status is PointStatus.SKIPPED_TIME_BUDGET):
                     failed[b] = point
     finally:
         sweep.timing = timing
@@ -656,7 +658,7 @@ def _bench_note(solver_note: str, points: Sequence[ThroughputPoint],
         names = ", ".join(map(str, skipped))
         notes.append(f"batch{'es' if len(skipped) > 1 else ''} {names} not measured: "
                      f"{'they' if len(skipped) > 1 else 'it'} would have run past the "
-                     f"{time_budget_s:g} s time budget (--time-budget)")
+                     f"{time_budget_s:g} s time budget ({option('time_budget')})")
     return "; ".join(notes)
 
 

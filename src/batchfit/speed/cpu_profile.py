@@ -11,7 +11,7 @@ roofline (the peak matmul rate and copy bandwidth) under-predicts a small model'
 step, because kernels at a model's shapes run far below the peaks: a matmul of few
 rows, a convolution with three input channels or a strided backward reaches a
 fraction of the peak rate, and batch norm's training forward a fraction of the copy
-bandwidth. The measured errors are in ``benchmarks/results/bench_knee.md``.
+bandwidth. The measured errors are in ``benchmarks/results/bench_knee_roofline.md``.
 
 Page faults (CPU). glibc serves every allocation of at least 32 MiB (its largest
 dynamic mmap threshold) from a fresh mapping and unmaps it on free, so each step

@@ -46,7 +46,7 @@ Known limitations:
       with the CUDA kernels' formula (the profile's attention rates are counted
       the same way, so they cancel).
     * A CPU profile is a snapshot: on a shared machine measure it alongside
-      what it predicts (benchmarks/bench_knee.py measures one per round of its
+      what it predicts (benchmarks/bench_knee_roofline.py measures one per round of its
       sweep and keeps the fastest of each kernel).
 """
 
