@@ -12,8 +12,8 @@ Usage: nice python benchmarks/plan_speed.py [--runs 3] [--old-src DIR] [--case s
 ``--old-src DIR``: also time an older checkout's ``src`` (e.g. ``git archive OLD src | tar -x
 -C /tmp/old``, then ``--old-src /tmp/old/src``), alternating with this one in each round, and
 check that both give the same plan. ``--case small``: GPT-2 (124M) at 256 tokens instead.
-Writes benchmarks/results/plan_speed[_small].json (every run, the medians and the load
-average before and after each run) and prints a summary.
+Writes benchmarks/results/plan_speed[_small].json (every run's wall and CPU seconds, their
+medians and the load average before and after each run) and prints a summary.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -45,11 +46,16 @@ def run_plan(arguments: list[str], src: Path) -> dict:
             "try:\n    main()\nexcept SystemExit:\n    pass\n")
     env = {**os.environ, "PYTHONPATH": str(src)}
     load = os.getloadavg()[0]
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code, *arguments, "--json"], env=env,
                           capture_output=True, text=True, check=True)
     wall = time.perf_counter() - start
-    return {"seconds": round(wall, 2), "load_before": round(load, 2),
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU seconds of the plan's process and its worker: on a machine shared with other
+    # work, wall seconds measure the load as much as the plan
+    cpu = (after.ru_utime - used.ru_utime) + (after.ru_stime - used.ru_stime)
+    return {"seconds": round(wall, 2), "cpu_s": round(cpu, 2), "load_before": round(load, 2),
             "load_after": round(os.getloadavg()[0], 2), "answer": json.loads(proc.stdout)}
 
 
@@ -70,14 +76,15 @@ def main() -> None:
             print(name, {k: v for k, v in runs[name][-1].items() if k != "answer"}, flush=True)
     answers = {name: runs[name][0]["answer"] for name in sources}
     medians = {name: statistics.median(r["seconds"] for r in rs) for name, rs in runs.items()}
-    out = {"argv": argv, "target_s": TARGET_S, "medians_s": medians,
+    cpu = {name: statistics.median(r["cpu_s"] for r in rs) for name, rs in runs.items()}
+    out = {"argv": argv, "target_s": TARGET_S, "medians_s": medians, "medians_cpu_s": cpu,
            "same_answer": len({json.dumps(a, sort_keys=True) for a in answers.values()}) == 1,
            "runs": {name: [{k: v for k, v in r.items() if k != "answer"} for r in rs]
                     for name, rs in runs.items()}, "answer": answers["new"]}
     RESULTS.mkdir(exist_ok=True)
     name = "plan_speed.json" if args.case == "8b" else f"plan_speed_{args.case}.json"
     (RESULTS / name).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"plan {args.case}: medians {medians} (target {TARGET_S:.0f} s for 8b), "
+    print(f"plan {args.case}: medians {medians}, CPU {cpu} (target {TARGET_S:.0f} s for 8b), "
           f"same answer: {out['same_answer']}")
 
 

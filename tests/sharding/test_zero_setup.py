@@ -1,4 +1,5 @@
-"""What importing DeepSpeed sets for the process does not follow the traces.
+"""What importing DeepSpeed sets for the process does not follow the traces, and a ZeRO trace
+builds none of DeepSpeed's CPU-only C++ ops.
 
 Importing DeepSpeed sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (deepspeed/__init__.py), after
 which each ``torch.cuda.is_available()`` asks NVML again (``torch.cuda._device_count_nvml``),
@@ -60,3 +61,38 @@ def test_traces_do_not_ask_nvml_after_deepspeed_is_imported():
     assert after_second == after_first
     # the user's environment is as it was: no variable
     assert result["variable"] is None
+
+
+def test_a_zero_trace_builds_no_shared_memory_op(monkeypatch):
+    # DeepSpeed's CPU communication backend compiles and loads its shared-memory all-reduce
+    # op (deepspeed/comm/torch.py build_shm_op, a g++ build when its cache is cold) each
+    # time it starts, once per ZeRO trace; the op serves DeepSpeed inference only
+    import importlib
+
+    import torch
+
+    from batchfit.answers.ranks import estimate_ranks
+    from batchfit.sharding import Parallelism
+    from batchfit.sharding.zero import _import_deepspeed
+
+    _import_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # the attribute is torch
+
+    accelerator = get_accelerator()
+    create = accelerator.create_op_builder
+    asked: list[str] = []
+    monkeypatch.setattr(accelerator, "create_op_builder",
+                        lambda name: asked.append(name) or create(name))
+    build_shm_op = ds_torch.build_shm_op
+
+    def mlp() -> torch.nn.Module:
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(2)])
+
+    for strategy in ("zero2", "zero3"):
+        estimate_ranks(mlp, (64,), 2, optimizer="adamw", precision="amp-bf16",
+                       device="H100 SXM", parallel=Parallelism(world_size=4, strategy=strategy,
+                                                               rank=0))
+    assert "ShareMemCommBuilder" not in asked
+    assert ds_torch.build_shm_op is build_shm_op  # put back after each trace

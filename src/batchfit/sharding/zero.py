@@ -214,6 +214,22 @@ def _torch_functions_kept() -> Iterator[None]:
                 setattr(target, name, value)
 
 
+def _no_shm_op() -> None:
+    """What ``deepspeed.comm.torch.build_shm_op`` returns where there is no shared-memory
+    op: DeepSpeed's backend then runs without one.
+
+    With its CPU accelerator (the one it picks here), DeepSpeed's communication backend
+    compiles and loads the ``deepspeed_shm_comm`` C++ extension when it starts
+    (``TorchBackend.__init__``, deepspeed/comm/torch.py): a g++ build of two files the
+    first time, and again whenever the extension cache was built with other flags. The
+    op serves only ``inference_all_reduce`` (DeepSpeed inference's tensor parallelism),
+    never a ZeRO training step, allocates no tensor, and does not exist on a GPU (only
+    ``op_builder/cpu`` has a ``ShareMemCommBuilder``), so a ZeRO trace has no use for it.
+    With ``LOCAL_SIZE`` equal to the world size in the environment it would also map a
+    shared-memory segment and wait for the fake world's other ranks to map theirs."""
+    return None
+
+
 def initialize(runner: Any, layout: Parallelism, precision: Precision) -> Any:
     """Hand ``runner``'s model and optimizer to DeepSpeed; the runner then trains
     through DeepSpeed's engine. Returns the engine."""
@@ -248,12 +264,19 @@ class ZeroTransform:
             yield from self._session()
 
     def _session(self) -> Iterator[None]:
+        import importlib
+
         import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
 
         from batchfit.sharding.world import fake_world
 
+        # by name: the attribute ``deepspeed.comm.torch`` is torch itself
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
+
         check = coordinator.assert_ints_same_as_other_ranks
         coordinator.assert_ints_same_as_other_ranks = lambda *args, **kwargs: None
+        build_shm_op = ds_torch.build_shm_op
+        ds_torch.build_shm_op = _no_shm_op
         try:
             with deepspeed_environment(self.rank, self.layout.world_size), \
                     fake_world(self.layout.world_size, self.rank), _deepspeed_globals(), \
@@ -261,6 +284,7 @@ class ZeroTransform:
                 yield
         finally:
             coordinator.assert_ints_same_as_other_ranks = check
+            ds_torch.build_shm_op = build_shm_op
 
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
               float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
