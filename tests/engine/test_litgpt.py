@@ -204,3 +204,32 @@ def test_litgpt_runs_its_head_on_128_token_chunks(monkeypatch):
     whole, chunk = BATCH * seq * V * 4, BATCH * 128 * V * 4
     assert whole in sizes[False]  # the whole sequence's head: its gradient in one piece
     assert whole not in sizes[True] and chunk in sizes[True]
+
+
+def test_litgpt_chunked_head_runs_gemma2_without_softcapping():
+    # litgpt/lora.py GPT.forward returns the chunk list before final_logit_softcapping, so
+    # Gemma 2 trains without it: the step traces (before: transformers' Gemma2ForCausalLM
+    # divided the list by the softcap, a TypeError), with no tanh of the B x S x V logits,
+    # and the model's own config (shared with other builds) keeps its softcap
+    config = transformers.Gemma2Config(
+        hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, head_dim=H // HEADS, vocab_size=V,
+        max_position_embeddings=512, use_cache=False, final_logit_softcapping=30.0)
+
+    def gemma2():
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+    trace = trace_step(gemma2, SPEC, BATCH, TrainConfig(lora="r=8,targets=q_proj+v_proj",
+                                                        recipe="litgpt"), _gpu())
+    assert config.final_logit_softcapping == 30.0
+
+    def tanh_ops(trace):  # the logits' tanh (the attention's softcapping has one too)
+        return {e.nbytes for e in trace.steady_events if e.kind is EventKind.ALLOC
+                and e.phase is Phase.FORWARD and "tanh" in e.op} \
+            & {BATCH * SEQ * V * 2, BATCH * SEQ * V * 4}
+
+    assert not tanh_ops(trace)
+    # the peft recipe runs transformers' model as it is, softcapping included
+    peft = trace_step(gemma2, SPEC, BATCH, TrainConfig(lora="r=8,targets=q_proj+v_proj"),
+                      _gpu())
+    assert tanh_ops(peft)

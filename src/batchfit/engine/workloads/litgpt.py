@@ -234,4 +234,20 @@ def fabric_logits(model: nn.Module, chunked: bool = True) -> None:
     if chunked and isinstance(getattr(base, "lm_head", None), nn.Module):
         base.lm_head = ChunkedHead(base.lm_head)
         base.loss_function = chunked_cross_entropy
+        _without_final_softcapping(base)
     base.loss_function = FabricLogits(base.loss_function)
+
+
+def _without_final_softcapping(base: nn.Module) -> None:
+    """litgpt's LoRA ``GPT.forward`` returns the list of chunk logits before its final logit
+    softcapping (litgpt/lora.py, ``GPT.forward``: ``if lm_head_chunk_size > 0: return
+    [self.lm_head(x_i) ...]`` ahead of ``final_logit_softcapping``, v0.5.13 commit 26857050),
+    so Gemma 2's chunked training step has none: the model's own forward (transformers'
+    ``Gemma2ForCausalLM``) skips it too, on a copy of its config (the resolved config is
+    shared with other builds)."""
+    import copy
+
+    config = getattr(base, "config", None)
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        base.config = copy.copy(config)
+        base.config.final_logit_softcapping = None
