@@ -21,8 +21,8 @@ from batchfit.api.answers import (
     predict_throughput_words,
 )
 
-__all__ = ["Answer", "bench", "estimate", "max_batch_size", "max_seq_len", "plan",
-           "predict_throughput", "search_max_batch", "serve"]
+__all__ = ["Answer", "bench", "estimate", "max_batch_size", "max_seq_len", "noise_scale",
+           "plan", "predict_throughput", "recommend_batch_size", "search_max_batch", "serve"]
 
 #: The engine's own keywords of :func:`batchfit.realrun.search.search_max_batch`: a spec
 #: string called with them (or with positional inputs) keeps going to the engine.
@@ -194,3 +194,40 @@ def search_max_batch(model: Any, *args: Any, **kwargs: Any) -> Any:
     from batchfit.realrun.search import search_max_batch as search_module
 
     return search_module(model, *args, **kwargs)
+
+
+def noise_scale(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """The gradient noise scale ``B_simple`` of a model on its data.
+
+    ``noise_scale(model, loss_fn, data, *, batch_small=..., ...)`` with a module
+    (:func:`batchfit.stats.measure.noise_scale`); ``noise_scale("train.py:workload",
+    batch_small=8, batch_big=64)`` with a workload file and the names of ``batchfit noise``
+    (:func:`batchfit.api.noise.noise_words`, whose ``to_dict()`` is the command's
+    ``--json``).
+    """
+    if isinstance(model, str):
+        from batchfit.api.noise import noise_words
+
+        return noise_words(model, *args, **kwargs)
+    from batchfit.stats.measure import noise_scale as noise_module
+
+    return noise_module(model, *args, **kwargs)
+
+
+def recommend_batch_size(noise: Any, *args: Any, **kwargs: Any) -> Any:
+    """The batch that reaches a target loss soonest.
+
+    ``recommend_batch_size(b_noise, points, *, max_batch_size=..., ...)`` with a noise scale
+    and a step-time curve (:func:`batchfit.stats.recommend.recommend_batch_size`);
+    ``recommend_batch_size("train.py:workload", gpu="A100 80GB", predict=True)`` with a
+    workload file and the names of ``batchfit recommend``
+    (:func:`batchfit.api.noise.recommend_words`, whose ``to_dict()`` is the command's
+    ``--json``).
+    """
+    if isinstance(noise, str):
+        from batchfit.api.noise import recommend_words
+
+        return recommend_words(noise, *args, **kwargs)
+    from batchfit.stats.recommend import recommend_batch_size as recommend_module
+
+    return recommend_module(noise, *args, **kwargs)

@@ -70,25 +70,3 @@ def check_plot(path: str | None) -> None:
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise InvalidInputError(f"cannot write --plot {path}: {folder} is not a folder "
                                     "this user can write to; create it or give another path")
-
-
-def parse_batches(text: str) -> Any:
-    """``--batches``: auto or a list (:func:`batchfit.api.answers.batch_list`)."""
-    from batchfit.api.answers import batch_list
-
-    return batch_list(text)
-
-
-def predicted_only(predict: bool, command: str, stack: str | None, torch_version: str | None,
-                   cuda_version: str | None, cudnn_benchmark: bool,
-                   alloc_conf: str | None) -> None:
-    """The stack options describe the process on a predicted card: refused on a measurement
-    (which runs in this process, with its own torch and settings)."""
-    given = [name for name, value in (
-        ("--stack", stack), ("--torch-version", torch_version),
-        ("--cuda-version", cuda_version), ("--cudnn-benchmark", cudnn_benchmark or None),
-        ("--alloc-conf", alloc_conf)) if value is not None]
-    if given and not predict:
-        raise InvalidInputError(
-            f"{given[0]} describes a predicted process: add --predict --gpu NAME (a "
-            f"measured {command} runs with this process's torch and settings)")

@@ -129,7 +129,8 @@ OWN_FLAGS = {"batch_size": "--batch-size", "memory": "--memory", "margin": "--ma
              "network_gbs": "--network-gbs", "predict": "--predict",
              "time_budget": "--time-budget", "alignment": "--alignment",
              "memory_cap": "--memory-cap", "steps_per_trial": "--steps-per-trial",
-             "boundary_runs": "--boundary-runs",
+             "boundary_runs": "--boundary-runs", "train": "--train",
+             "noise_scale": "--noise-scale", "current_batch": "--current-batch",
              **{keyword: "--" + keyword.replace("_", "-") for keyword in (  # serve's own
                  "engine", "max_model_len", "gpu_memory_utilization", "dtype", "kv_dtype",
                  "block_size", "max_num_batched_tokens", "max_num_seqs", "non_torch",

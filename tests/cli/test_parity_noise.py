@@ -1,0 +1,67 @@
+"""``batchfit noise`` and ``batchfit recommend`` asked in words (issue 40): the library,
+given a workload file and the commands' option names, answers what the command answers, and
+names its options in the caller's vocabulary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import batchfit
+from batchfit.cli import app
+from tests.cli.test_noise_cli import workload_file  # noqa: F401 - the shared fixture
+
+runner = CliRunner()
+
+
+def _cli(*args: str) -> dict:
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_noise_in_words_is_the_command(workload_file):  # noqa: F811
+    workload = f"{workload_file}:trains"
+    cli = _cli("noise", workload, "--steps", "12", "--batch-small", "4", "--batch-big", "32")
+    answer = batchfit.noise_scale(workload, steps=12, batch_small=4, batch_big=32)
+    assert answer.to_dict() == cli
+    assert answer.b_simple == cli["b_simple"] > 0  # the result reads through the answer
+
+
+def test_recommend_in_words_is_the_command(workload_file):  # noqa: F811
+    """The command measures the noise scale, then the curve (two library calls, each with
+    its progress); the library's one call must give the same JSON: the factory's SGD, the
+    data's size as the batch limit, fp32 and the current batch defaulting to batch_big."""
+    workload = f"{workload_file}:trains"
+    cli = _cli("recommend", workload, "--steps", "12", "--gpu", "A100", "--predict",
+               "--batches", "8,64,512")
+    answer = batchfit.recommend_batch_size(workload, steps=12, gpu="A100", predict=True,
+                                           batches="8,64,512")
+    assert answer.to_dict() == cli
+    assert cli["current_batch_size"] == 64 and cli["learning_rate"]["rule"] == "linear"
+    assert cli["noise"]["method"] != "given" and cli["predicted"] is True
+
+
+@pytest.mark.parametrize(("call", "words", "line"), [
+    ("recommend", {"predict": True}, "predict=True needs gpu='NAME'"),
+    ("recommend", {"gpu": "A100"}, "gpu goes with predict=True"),
+    ("recommend", {"noise_scale": -3}, "noise_scale must be a positive number"),
+    ("recommend", {"current_batch": 0}, "current_batch must be a positive integer"),
+    ("recommend", {"stack": "torch1.12+cu113"}, "stack describes a predicted process"),
+    ("noise", {"train": True}, "train=True needs an optimizer"),
+])
+def test_library_messages_name_keywords(workload_file, call, words, line):  # noqa: F811
+    function = batchfit.recommend_batch_size if call == "recommend" else batchfit.noise_scale
+    with pytest.raises(batchfit.InvalidInputError) as info:
+        function(f"{workload_file}:build", **words)
+    assert line in str(info.value) and "--" not in str(info.value)
+
+
+def test_the_engine_forms_still_answer():
+    """A noise scale and a curve (not a workload name) still reach the engine's function."""
+    rec = batchfit.recommend_batch_size(32.0, [(8, 0.01), (64, 0.02)], max_batch_size=64,
+                                        current_batch_size=8)
+    assert isinstance(rec, batchfit.Recommendation) and rec.b_noise == 32.0
+    assert 8 <= rec.recommended_batch_size <= 64
