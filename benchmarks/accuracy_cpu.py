@@ -1,8 +1,9 @@
 """Accuracy of batchfit's CPU prediction against real steps measured on this CPU.
 
-How it asks batchfit: ``batchfit.estimate(factory, inputs, B, TrainConfig(...),
-device="cpu")`` with zoo.py's factories and configs, and the engine's trace and replay for
-the exact rows: pending conversion (tests/test_benchmarks_ask_as_users.py).
+How it asks batchfit: ``batchfit.estimate(SPEC, B, device="cpu", optimizer=...,
+precision=..., ...)`` with each zoo.py case's spec string (``timm:``, ``hf:`` or
+``benchmarks/zoo.py:FACTORY``) and words, as a user asks; the real run is the step those
+words name.
 
 For every case of ``benchmarks/zoo.py``: ``batchfit.estimate(..., device="cpu")``
 (a fake-tensor trace) against the same step run for real and measured by
@@ -16,18 +17,16 @@ Target: |error| <= 2% on every case, median <= 0.5%.
 
 Usage:
     python benchmarks/accuracy_cpu.py [--cases resnet50,gpt2-4l] [--methods profiler,tracker]
-    python benchmarks/accuracy_cpu.py --explain lstm
 
 Writes benchmarks/results/accuracy_cpu.md and .json (accuracy_cpu_subset.* with
---cases) and prints the table. ``--explain CASE`` says where a gap comes from:
-tensors whose sizes differ between the fake trace and the real run, and memory
-kernels allocate and free inside one op (seen by the profiler only).
+--cases) and prints the table. Where a gap comes from (tensors whose sizes differ between
+the fake trace and the real run, memory kernels allocate and free inside one op) is
+``benchmarks/accuracy_cpu_explain.py CASE``'s diagnostic.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent  # the cases' model files are named from here, as a user names them
 RESULTS = HERE / "results"
 MiB = 2**20
 TARGET_MAX_PCT = 2.0
@@ -56,15 +56,15 @@ def run_case(name: str, methods: list[str]) -> dict[str, Any]:
 
     case = BY_NAME[name]
     start = time.perf_counter()
-    est = batchfit.estimate(case.factory, case.inputs, case.batch_size, case.config, device="cpu")
+    est = batchfit.estimate(case.spec, case.batch_size, device="cpu", **case.words)
     row: dict[str, Any] = {
-        "case": name, "setup": case.describe(),
+        "case": name, "spec": case.spec, "setup": case.describe(),
         "predicted_bytes": est.peak_allocated_bytes,
         "predicted_first_step_bytes": est.first_step_peak_bytes,
         "predicted_phase": est.peak_phase.value, "predicted_op": est.peak_op,
         "trace_s": round(time.perf_counter() - start, 3),
     }
-    for method in methods:
+    for method in methods:  # the truth: the step the words name, run for real
         run = measure_step(case.factory, case.inputs, case.batch_size, case.config, method=method)
         row[method] = run.to_dict()
     return row
@@ -73,11 +73,11 @@ def run_case(name: str, methods: list[str]) -> dict[str, Any]:
 def run_in_subprocess(name: str, methods: list[str], timeout_s: float) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = Path(handle.name)
-    command = [sys.executable, __file__, "--worker", name, "--methods", ",".join(methods),
-               "--out", str(out)]
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", name,
+               "--methods", ",".join(methods), "--out", str(out)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
-                              check=False)
+                              check=False, cwd=ROOT)
         if done.returncode != 0:
             tail = [line for line in done.stderr.strip().splitlines()
                     if not line.startswith(("USDT:", "ERROR:", "[W"))][-3:]
@@ -150,7 +150,7 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], methods: list[str],
               "Profiler minus tracker is that kernel scratch. The profiler is the reference: "
               "for CPU targets the prediction includes the scratch batchfit models (oneDNN "
               "convolutions, bf16 matmuls; kernels.py), so it sits above the tracker by design. "
-              "`python benchmarks/accuracy_cpu.py --explain CASE` breaks a gap down by op."), "",
+              "`python benchmarks/accuracy_cpu_explain.py CASE` breaks a gap down by op."), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell.replace("|", "/") for cell in line) + " |" for line in body]
     lines.append("")
@@ -188,95 +188,12 @@ def print_table(rows: list[dict[str, Any]], methods: list[str], summary: dict[st
         console.print(f"failed: {', '.join(summary['failed'])}")
 
 
-def explain(name: str, top: int = 8) -> None:
-    """Print where the real step's memory departs from the trace (see the module docstring).
-
-    Diagnostic only: it leans on private helpers of batchfit.realrun.measure and aligns the
-    profiler's clock with time.time_ns(), which is good to a few microseconds.
-    """
-    import bisect
-    import gc
-    from collections import Counter
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
-    from zoo import BY_NAME
-
-    from batchfit.device.profile import resolve_device
-    from batchfit.engine.trace import trace_step
-    from batchfit.engine.tracer import EventKind
-    from batchfit.realrun import measure
-
-    case = BY_NAME[name]
-    trace = trace_step(case.factory, case.inputs, case.batch_size, case.config,
-                       resolve_device("cpu"))
-    traced = Counter((e.phase.value, e.op, e.nbytes) for e in trace.steady_events
-                     if e.kind is EventKind.ALLOC and e.op and e.phase.value != "setup")
-    real: Counter = Counter()
-    log: list[tuple[int, int, str, str]] = []  # (time_ns, tracker live bytes, op, phase)
-    phase = ["setup"]
-    torch.manual_seed(0)
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        runner = measure._build_runner(case.factory, case.inputs, case.batch_size, case.config)
-        runner.on_phase = lambda p: phase.__setitem__(0, p)
-        step = runner.train_step if case.config.mode.value == "train" else runner.infer_step
-        step()
-        gc.collect()
-        tracker = measure._StorageTracker()
-        for storage in measure._unique_storages(measure._step_storages(runner)).values():
-            tracker.add(storage)
-        on_output = tracker._on_output
-
-        def logged(func, args, out):
-            before = set(tracker._live)
-            on_output(func, args, out)
-            for key in set(tracker._live) - before:
-                real[(phase[0], str(func), tracker._live[key][0])] += 1
-            log.append((time.time_ns(), tracker.live_bytes, str(func), phase[0]))
-
-        tracker._interceptor._on_output = logged
-        with record_function("steady"), tracker:
-            step()
-    changes = sorted(measure._memory_events(prof.profiler.kineto_results.events()))
-    times = [t for t, _ in changes]
-    level, live = [], 0
-    for _, nbytes in changes:
-        live += nbytes
-        level.append(live)
-    print(f"{name}: predicted {trace_peak(trace) / MiB:,.2f} MiB, tracker {tracker.peak_bytes / MiB:,.2f}"
-          f" MiB, profiler {max(level[bisect.bisect_right(times, log[0][0]):] or [0]) / MiB:,.2f} MiB")
-    print("allocations whose size differs, fake trace vs real run (phase, op, bytes) x count:")
-    for label, diff in (("  only traced", traced - real), ("  only real  ", real - traced)):
-        for key, count in sorted(diff.items(), key=lambda kv: -kv[0][2] * kv[1])[:top]:
-            print(f"{label} {key} x{count}")
-    scratch: dict[tuple[str, str], int] = {}
-    for (t0, live0, _, _), (t1, live1, op, ph) in itertools.pairwise(log):
-        i0, i1 = bisect.bisect_right(times, t0), bisect.bisect_right(times, t1)
-        if i1 > i0:
-            hidden = max(level[i0:i1]) - max(live0, live1)
-            scratch[(ph, op)] = max(scratch.get((ph, op), 0), hidden)
-    print("memory allocated and freed inside one op (profiler only), largest per op:")
-    for (ph, op), hidden in sorted(scratch.items(), key=lambda kv: -kv[1])[:top]:
-        if hidden > 0:
-            print(f"  {hidden / MiB:9.2f} MiB  {ph:9s} {op}")
-
-
-def trace_peak(trace) -> int:
-    from batchfit.device.profile import resolve_device
-    from batchfit.device.timeline import replay_events
-
-    return replay_events(trace.steady_events, resolve_device("cpu"), top=0).peak_allocated_bytes
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", help="comma-separated case names (default: all)")
     parser.add_argument("--methods", default="profiler,tracker",
                         help="measurement methods, comma-separated (profiler, tracker)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
-    parser.add_argument("--explain", metavar="CASE",
-                        help="say where one case's real memory departs from the trace")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -288,12 +205,6 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(HERE))
     from zoo import BY_NAME, CASES
-
-    if args.explain:
-        if args.explain not in BY_NAME:
-            parser.error(f"unknown case {args.explain}; known: {', '.join(BY_NAME)}")
-        explain(args.explain)
-        return 0
 
     names = [c.name for c in CASES]
     if args.cases:

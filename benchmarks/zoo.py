@@ -1,6 +1,10 @@
-"""The benchmark zoo: models, inputs, batch sizes and configs batchfit is checked on.
+"""The benchmark zoo: models, batch sizes and settings batchfit is checked on, in the words a
+user asks with.
 
-How it asks batchfit: it does not: it lists the cases accuracy_cpu.py and the tests run.
+How it asks batchfit: it does not: it lists the cases accuracy_cpu.py runs, each as a model
+spec string (``timm:NAME``, ``hf:NAME`` or ``benchmarks/zoo.py:FACTORY``) and the options'
+names as keywords, ``batchfit.estimate(case.spec, case.batch_size, device="cpu",
+**case.words)``.
 
 Every case is small enough to run for real on a 2-core CPU in under ~20 s per
 step, and together they cover: convolutional nets (with BatchNorm, depthwise
@@ -9,9 +13,11 @@ and encoder-decoder language models, a recurrent net and a U-Net; SGD with
 momentum and AdamW; fp32, amp-bf16 (CPU autocast) and pure bf16; activation
 checkpointing; inference.
 
-Factories are zero-argument callables: the engine calls them under
-``torch.device("meta")``, the measurement for real. timm and transformers are
-imported inside them, so importing this file is cheap.
+The real step of a case (:meth:`Case.step`) is the one its words name, resolved as batchfit
+resolves them, so the measured step and the question cannot drift apart. The factories
+below are model files' factories (``benchmarks/zoo.py:unet_autoencoder``); timm and
+transformers models are named by their spec strings. Paths in spec strings are relative to
+the repository root.
 
 Usage: ``from zoo import CASES`` (with ``benchmarks/`` on ``sys.path``), or
 ``python benchmarks/zoo.py`` to list the cases.
@@ -19,9 +25,10 @@ Usage: ``from zoo import CASES`` (with ``benchmarks/`` on ``sys.path``), or
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,70 +37,77 @@ from torch.nn import functional as F
 
 from batchfit.engine.spec import InputSpec, TensorSpec, TrainConfig
 
+ROOT = Path(__file__).resolve().parent.parent
+ZOO = "benchmarks/zoo.py"
+#: a 4-layer Llama of width 256 (Llama-2's vocabulary and layout)
+LLAMA_TINY = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 4}
+
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark case: ``batchfit.estimate(factory, inputs, batch_size, config)``."""
+    """One benchmark case: ``batchfit.estimate(spec, batch_size, device="cpu", **words)``.
+
+    ``factory``, ``inputs`` and ``config`` are the step those words name (what the real run
+    builds and what the engine's diagnostics trace), resolved by batchfit's own resolver.
+    """
 
     name: str
-    factory: Callable[[], nn.Module]
-    inputs: InputSpec
+    spec: str
     batch_size: int
-    config: TrainConfig
+    words: Mapping[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
-        c = self.config
-        if c.mode.value == "infer":
-            what = f"infer {c.precision.value}"
+        w = self.words
+        if w.get("mode") == "infer":
+            what = f"infer {w.get('precision', 'fp32')}"
         else:
-            optimizer = c.optimizer if isinstance(c.optimizer, str) else c.optimizer.value
-            what = f"train {optimizer} {c.precision.value}" + (" ckpt" if c.checkpointing else "")
+            what = (f"train {w.get('optimizer', 'adamw')} {w.get('precision', 'fp32')}"
+                    + (" ckpt" if w.get("checkpointing") else ""))
         return f"B={self.batch_size} {what}"
 
+    @cached_property
+    def step(self) -> Any:
+        """The step the words name (a :class:`batchfit.api.step.Step`), as
+        ``batchfit.estimate`` resolves it; a model file is found from the repository root."""
+        from batchfit.api.step import resolve_step, stack_settings
 
-# -- factories ---------------------------------------------------------------------------
+        spec = str(ROOT / self.spec) if self.spec.startswith(f"{ZOO}:") else self.spec
+        return resolve_step(spec, **self.words, **stack_settings())
+
+    @property
+    def factory(self) -> Any:
+        return self.step.spec.factory
+
+    @property
+    def inputs(self) -> InputSpec:
+        return self.step.inputs
+
+    @property
+    def config(self) -> TrainConfig:
+        return self.step.config
 
 
-def timm_model(name: str, **kwargs: Any) -> nn.Module:
-    import timm
-
-    return timm.create_model(name, **kwargs)
+# -- model files' factories -------------------------------------------------------------
 
 
-def gpt2(n_layer: int = 4, n_embd: int = 768, n_head: int = 12, n_positions: int = 1024
-         ) -> nn.Module:
+def gpt2_forward(n_layer: int = 4, seq_len: int = 128) -> tuple[nn.Module, dict[str, TensorSpec]]:
+    """A model file's factory: GPT-2 of transformers' default config with ``n_layer`` layers,
+    fed token ids alone (an inference forward that computes no loss; an ``hf:`` spec's batch
+    carries labels, so its forward computes the loss too)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-                                      n_positions=n_positions))
+    model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer))
+    return model, {"input_ids": TensorSpec((seq_len,), "int64", high=model.config.vocab_size)}
 
 
-def bert_mlm(num_hidden_layers: int = 4) -> nn.Module:
-    from transformers import BertConfig, BertForMaskedLM
-
-    return BertForMaskedLM(BertConfig(num_hidden_layers=num_hidden_layers))
-
-
-def bert_classifier(num_hidden_layers: int = 4) -> nn.Module:
-    from transformers import BertConfig, BertForSequenceClassification
-
-    return BertForSequenceClassification(BertConfig(num_hidden_layers=num_hidden_layers))
-
-
-def t5_small() -> nn.Module:
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    # T5Config's defaults are t5-small: d_model 512, d_ff 2048, 6+6 layers, 8 heads. The
-    # start and pad ids (0 in t5-small's config.json) are needed to shift labels right.
-    return T5ForConditionalGeneration(T5Config(decoder_start_token_id=0, pad_token_id=0))
-
-
-def llama_tiny() -> nn.Module:
+def llama_tiny_forward(seq_len: int = 128) -> tuple[nn.Module, dict[str, TensorSpec]]:
+    """A model file's factory: a 4-layer Llama of width 256 (Llama-2's vocabulary) fed token
+    ids alone, as :func:`gpt2_forward`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=688,
-                                        num_hidden_layers=4, num_attention_heads=4,
-                                        num_key_value_heads=4, vocab_size=32000))
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA_TINY, vocab_size=32000))
+    return model, {"input_ids": TensorSpec((seq_len,), "int64", high=32000)}
 
 
 class LSTMClassifier(nn.Module):
@@ -150,62 +164,62 @@ def reconstruction_loss(output: torch.Tensor, batch: tuple[tuple, dict]) -> torc
     return F.mse_loss(output.float(), image.float())
 
 
+def unet_autoencoder(channels: int = 1, size: int = 128) -> tuple[nn.Module, TensorSpec, Any]:
+    """A model file's factory: the U-Net, its per-sample image and its reconstruction loss
+    (a loss no option names, so the file returns it, as a user's file would)."""
+    return UNet(channels), TensorSpec((channels, size, size)), reconstruction_loss
+
+
 # -- the cases ---------------------------------------------------------------------------
 
-IMAGE = (3, 224, 224)
+
+def _gpt2(**words: Any) -> dict[str, Any]:
+    return {"model_kwargs": {"n_layer": 4}, "seq_len": 128, **words}
 
 
-def tokens(seq_len: int, vocab: int) -> dict[str, TensorSpec]:
-    """``input_ids`` and ``labels`` for a Hugging Face model that computes its own loss."""
-    ids = TensorSpec((seq_len,), dtype="int64", high=vocab)
-    return {"input_ids": ids, "labels": ids}
+def _bert(**words: Any) -> dict[str, Any]:
+    return {"model_kwargs": {"num_hidden_layers": 4}, "seq_len": 128, **words}
 
 
-def _train(optimizer: str, precision: str = "fp32", **kwargs: Any) -> TrainConfig:
-    return TrainConfig(optimizer=optimizer, precision=precision, **kwargs)
-
-
-def _infer(precision: str = "fp32") -> TrainConfig:
-    return TrainConfig(mode="infer", precision=precision)
-
+LLAMA = "hf:meta-llama/Llama-2-7b-hf"
 
 CASES: tuple[Case, ...] = (
-    # vision, convolutional
-    Case("resnet50", partial(timm_model, "resnet50"), IMAGE, 8, _train("adamw")),
-    Case("resnet50-infer", partial(timm_model, "resnet50"), IMAGE, 16, _infer()),
-    Case("mobilenetv3-bf16", partial(timm_model, "mobilenetv3_large_100"), IMAGE, 16,
-         _train("momentum", "amp-bf16")),
-    Case("efficientnet_b0-ckpt", partial(timm_model, "efficientnet_b0"), IMAGE, 8,
-         _train("adamw", checkpointing=True)),
-    Case("convnext_tiny-bf16", partial(timm_model, "convnext_tiny"), IMAGE, 4,
-         _train("adamw", "amp-bf16")),
-    Case("densenet121", partial(timm_model, "densenet121"), IMAGE, 4, _train("momentum")),
-    Case("densenet121-ckpt", partial(timm_model, "densenet121"), IMAGE, 4,
-         _train("momentum", checkpointing=True)),
+    # vision, convolutional (timm's default input: 3x224x224)
+    Case("resnet50", "timm:resnet50", 8, {"optimizer": "adamw"}),
+    Case("resnet50-infer", "timm:resnet50", 16, {"mode": "infer", "precision": "fp32"}),
+    Case("mobilenetv3-bf16", "timm:mobilenetv3_large_100", 16,
+         {"optimizer": "momentum", "precision": "amp-bf16"}),
+    Case("efficientnet_b0-ckpt", "timm:efficientnet_b0", 8,
+         {"optimizer": "adamw", "checkpointing": True}),
+    Case("convnext_tiny-bf16", "timm:convnext_tiny", 4,
+         {"optimizer": "adamw", "precision": "amp-bf16"}),
+    Case("densenet121", "timm:densenet121", 4, {"optimizer": "momentum"}),
+    Case("densenet121-ckpt", "timm:densenet121", 4,
+         {"optimizer": "momentum", "checkpointing": True}),
     # vision transformer
-    Case("vit_small", partial(timm_model, "vit_small_patch16_224"), IMAGE, 8, _train("adamw")),
-    Case("vit_small-bf16-ckpt", partial(timm_model, "vit_small_patch16_224"), IMAGE, 8,
-         _train("adamw", "amp-bf16", checkpointing=True)),
+    Case("vit_small", "timm:vit_small_patch16_224", 8, {"optimizer": "adamw"}),
+    Case("vit_small-bf16-ckpt", "timm:vit_small_patch16_224", 8,
+         {"optimizer": "adamw", "precision": "amp-bf16", "checkpointing": True}),
     # language models (Hugging Face computes the loss from labels)
-    Case("gpt2-4l", partial(gpt2, 4), tokens(128, 50257), 4, _train("adamw")),
-    Case("gpt2-4l-bf16-ckpt", partial(gpt2, 4), tokens(128, 50257), 4,
-         _train("adamw", "amp-bf16", checkpointing=True)),
-    Case("gpt2-4l-infer", partial(gpt2, 4), {"input_ids": TensorSpec((128,), "int64", high=50257)},
-         8, _infer()),
-    Case("bert-base-4l", partial(bert_mlm, 4), tokens(128, 30522), 4, _train("momentum")),
+    Case("gpt2-4l", "hf:gpt2", 4, _gpt2(optimizer="adamw")),
+    Case("gpt2-4l-bf16-ckpt", "hf:gpt2", 4,
+         _gpt2(optimizer="adamw", precision="amp-bf16", checkpointing=True)),
+    Case("gpt2-4l-infer", f"{ZOO}:gpt2_forward", 8, {"mode": "infer", "precision": "fp32"}),
+    Case("bert-base-4l", "hf:bert-base-uncased", 4, _bert(optimizer="momentum")),
     # no vocabulary-sized logits: the peak is the encoder's activations
-    Case("bert-base-4l-cls", partial(bert_classifier, 4),
-         {"input_ids": TensorSpec((256,), "int64", high=30522),
-          "labels": TensorSpec((), "int64", high=2)}, 16, _train("adamw")),
-    Case("t5-small", t5_small, tokens(128, 32128), 4, _train("adamw")),
-    Case("llama-tiny-bf16", llama_tiny, tokens(128, 32000), 4, _train("adamw", "amp-bf16")),
-    Case("llama-tiny-infer", llama_tiny, {"input_ids": TensorSpec((128,), "int64", high=32000)},
-         8, _infer()),
+    Case("bert-base-4l-cls", "hf:bert-base-uncased", 16,
+         {"model_kwargs": {"num_hidden_layers": 4, "task": "sequence-classification"},
+          "seq_len": 256, "optimizer": "adamw"}),
+    Case("t5-small", "hf:t5-small", 4, {"seq_len": 128, "optimizer": "adamw"}),
+    Case("llama-tiny-bf16", LLAMA, 4, {"model_kwargs": LLAMA_TINY, "seq_len": 128,
+                                       "optimizer": "adamw", "precision": "amp-bf16"}),
+    Case("llama-tiny-infer", f"{ZOO}:llama_tiny_forward", 8,
+         {"mode": "infer", "precision": "fp32"}),
     # recurrent and dense prediction
-    Case("lstm", LSTMClassifier, (64, 128), 32, _train("adamw")),
-    Case("unet", UNet, (1, 128, 128), 8, _train("adamw", loss_fn=reconstruction_loss)),
-    Case("unet-rgb-pure-bf16", partial(UNet, 3), (3, 128, 128), 4,
-         _train("momentum", "bf16", loss_fn=reconstruction_loss)),
+    Case("lstm", f"{ZOO}:LSTMClassifier", 32, {"input_shape": "64x128", "optimizer": "adamw"}),
+    Case("unet", f"{ZOO}:unet_autoencoder", 8, {"optimizer": "adamw"}),
+    Case("unet-rgb-pure-bf16", f"{ZOO}:unet_autoencoder", 4,
+         {"model_kwargs": {"channels": 3}, "optimizer": "momentum", "precision": "bf16"}),
 )
 
 BY_NAME: dict[str, Case] = {case.name: case for case in CASES}
@@ -213,4 +227,4 @@ BY_NAME: dict[str, Case] = {case.name: case for case in CASES}
 
 if __name__ == "__main__":
     for case in CASES:
-        print(f"{case.name:24s} {case.describe()}")
+        print(f"{case.name:24s} {case.spec:36s} {case.describe()}")

@@ -35,10 +35,14 @@ FORBIDDEN = {
 ACCURACY = ("llm_published.py", "gpu_brackets.py", "max_vs_true_cpu.py",
             "published_sharded_users.py", "published_gpu_points.py", "recipes_published.py",
             "noise_closed_form.py", "noise_tradeoff.py", "bench_knee.py",
-            "search_user_process.py")
+            "search_user_process.py", "accuracy_cpu.py")
 
 #: Modules an accuracy benchmark may import for what is not the prediction, with the reason.
 TRUTH_SIDE = {
+    "accuracy_cpu.py": {
+        "batchfit.realrun.measure": "the truth: the step the case's words name, run for real "
+                                    "and measured by the profiler and a live-storage tracker",
+    },
     "max_vs_true_cpu.py": {
         "batchfit.models.resolve": "the truth's real step is built from the spec the user "
                                    "names, by the same resolver",
@@ -89,6 +93,9 @@ HARNESSES = {
     "bench_knee_roofline.py": "the roofline with rates measured on this CPU (measure_cpu_profile, "
                               "fastest_profile) against bench_knee.py's dense sweep: in words "
                               "throughput is predicted for catalog GPUs only",
+    "accuracy_cpu_explain.py": "a diagnostic of one accuracy_cpu.py case: the engine's trace "
+                                "set against the real run's allocations op by op, through "
+                                "trace_step, the replay and the tracker's internals",
     "sharded_vs_gloo.py": "exactness of each rank's trace against real gloo runs: a "
                           "tensors-only CPU profile and tiny DDP/DeepSpeed buckets "
                           "(bucket_cap_mb, deepspeed=) that no option sets",
@@ -108,15 +115,14 @@ SPEED = {
 #: Tools the benchmarks share; they produce no figure of their own.
 TOOLS = {
     "accuracy_page.py": "writes docs/accuracy.md from benchmarks/results",
-    "zoo.py": "the models, inputs and configs accuracy_cpu.py and the tests run",
+    "zoo.py": "the cases accuracy_cpu.py asks about, in the user's words (spec string and "
+              "options), and the model files' factories they name",
     "gpu_brackets_cards.py": "compares timm's published files of two cards; reads the "
                              "catalog's CUDA totals, predicts nothing",
 }
 
 #: Accuracy benchmarks still to convert, each with what stands in the way.
 PENDING = {
-    "accuracy_cpu.py": "its cases are zoo.py's factories with hand-made TrainConfigs (no spec "
-                       "string), and the exact rows trace and replay through the engine",
 }
 
 LISTS = {"ACCURACY": dict.fromkeys(ACCURACY, ""), "HARNESSES": HARNESSES, "SPEED": SPEED,
