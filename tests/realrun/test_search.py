@@ -375,6 +375,19 @@ def test_bad_input_is_one_clear_error(kwargs, message):
         search_max_batch(Broadcast, (1,), optimizer="sgd", predicted=1, **options)
 
 
+def test_a_missing_gpu_names_the_device_option_in_the_callers_words():
+    # a Python caller reads device='cpu' (before: the command's --device cpu); on a machine
+    # with a CUDA device the message lists how many there are instead
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(InvalidInputError) as info:
+        search_max_batch(Broadcast, (1,), optimizer="sgd", predicted=1, device="cuda:7",
+                         memory_cap_bytes=CAP)
+    assert "use device='cpu'" in str(info.value) and "--" not in str(info.value)
+
+
 def test_optimizer_options_rebuild_adamw():
     # torch's AdamW keeps ``decoupled_weight_decay`` in ``defaults`` but its constructor
     # rejects it: the options must rebuild the same optimizer class with the same lr.

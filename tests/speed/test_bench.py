@@ -588,3 +588,22 @@ def test_a_real_cpu_rerun_agrees_or_is_flagged_within_noise():
         # knee stand out where a noisier one did not; at least one of the two says the
         # difference is within noise (the injected-noise test above checks every run)
         assert first.stability.within_noise or second.stability.within_noise
+
+
+def test_no_cpu_budget_names_the_memory_option_in_the_callers_words(monkeypatch):
+    # without /proc/meminfo there is no available memory to take as the CPU's budget: the
+    # message names the option as the caller writes it (before: "give memory_bytes
+    # (--memory 16GiB)", both vocabularies at once)
+    from batchfit.cli.options import FLAGS
+    from batchfit.errors import InvalidInputError, option_vocabulary
+    from batchfit.speed.bench import bench
+
+    monkeypatch.setattr("batchfit.device.profile.available_memory_bytes", lambda: None)
+    for flags, words in ((None, "memory='16GiB'"), (FLAGS, "--memory 16GiB")):
+        with pytest.raises(InvalidInputError) as info:
+            if flags is None:
+                bench(lambda: torch.nn.Linear(4, 2), (4,), device="cpu", batches=[1])
+            else:
+                with option_vocabulary(flags):
+                    bench(lambda: torch.nn.Linear(4, 2), (4,), device="cpu", batches=[1])
+        assert f"give a budget ({words})" in str(info.value)

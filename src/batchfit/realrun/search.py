@@ -86,7 +86,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from batchfit.engine.spec import TrainConfig, make_config
-from batchfit.errors import DoesNotFitError, InvalidInputError, UntraceableError
+from batchfit.errors import DoesNotFitError, InvalidInputError, UntraceableError, option
 from batchfit.realrun.boundary import (
     DEFAULT_MAX_BATCH_LIMIT,
     Outcome,
@@ -341,7 +341,7 @@ def _parse_device(device: Any):
     if index >= count:
         raise InvalidInputError(
             f"device {device!r} does not exist: this machine has {count} CUDA device(s)"
-            + ("" if count else "; use --device cpu"))
+            + ("" if count else f"; use {option('device', 'cpu')}"))
     return torch.device("cuda", index)
 
 

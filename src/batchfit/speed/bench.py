@@ -586,7 +586,7 @@ def bench(model: Any, inputs: Any, config: TrainConfig | None = None, *,
         if memory_bytes is None:
             raise InvalidInputError(
                 "no memory budget for the CPU and no /proc/meminfo to read what is available: "
-                "give memory_bytes (--memory 16GiB)")
+                f"give a budget ({option('memory', '16GiB')})")
     limit = max_batch_size(model, inputs, config, device=profile, memory_bytes=memory_bytes,
                            margin=margin, max_batch_limit=max_batch_limit)
     maximum = limit.max_batch_size
