@@ -75,12 +75,7 @@ def bench_words(model: str, *, device: str | None = None, gpu: str | None = None
         words: the step's options as keywords (the stack's only with ``predict``; a
             measurement runs in this process, with its own torch and settings).
 
-    Example:
-        >>> import batchfit
-        >>> answer = batchfit.bench("torchvision:resnet18", device="cpu", memory="4GiB",
-        ...                         batches="1,2", input_shape="3x64x64", time_budget="30s")
-        >>> [p.batch_size for p in answer.points]
-        [1, 2]
+    The example is :func:`batchfit.bench`'s, which sends a spec string here.
     """
     if dataset_size is not None and dataset_size < 1:
         raise InvalidInputError(f"{option('dataset_size')} must be a positive integer, "
@@ -143,13 +138,7 @@ def search_words(model: str, *, device: str = "cpu", memory_cap: str | int | Non
         on_trial: called with each :class:`~batchfit.realrun.trial.Trial` as it finishes.
         words: the step's options as keywords.
 
-    Example:
-        >>> import batchfit
-        >>> answer = batchfit.search_max_batch("torchvision:resnet18", device="cpu",
-        ...                                    memory_cap="512MiB", input_shape="3x64x64",
-        ...                                    boundary_runs=1)
-        >>> answer.max_batch_size > 0
-        True
+    The example is :func:`batchfit.search_max_batch`'s, which sends a spec string here.
     """
     if boundary_runs < 1:
         raise InvalidInputError(f"{option('boundary_runs')} must be at least 1, "

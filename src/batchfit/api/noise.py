@@ -54,34 +54,15 @@ class RecommendAnswer(Answer):
                 "noise": self.noise.to_dict(), "throughput": self.throughput.to_dict()}
 
 
-def _torch_device(device: str | None) -> Any:
-    """None (where the factory put the model), or the torch device of ``"cpu"``/``"cuda:N"``
-    (one line for an unknown name or a GPU this machine does not have)."""
-    if device is None:
-        return None
-    import re
-
-    import torch
-
-    text = device.strip().lower()
-    if text == "cpu":
-        return torch.device("cpu")
-    if re.fullmatch(r"cuda(:\d+)?", text):
-        index = int(text.partition(":")[2] or 0)
-        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-            raise InvalidInputError(f"{device} is not available here: use "
-                                    f"{option('device', 'cpu')}")
-        return torch.device("cuda", index)
-    raise InvalidInputError(f"unknown device {device!r}: use cpu or cuda:N (e.g. cuda:0)")
-
-
 def load(workload: str, device: str | None = None,
          model_kwargs: Sequence[str] | Mapping[str, Any] | None = None) -> Any:
-    """The workload file's model, data, loss and optimizer, the model moved to ``device``."""
+    """The workload file's model, data, loss and optimizer, the model moved to ``device``
+    (``"cpu"`` or ``"cuda:N"``; None: where the factory put it)."""
     from batchfit.api.step import _model_kwargs
+    from batchfit.realrun.search import torch_device_of
     from batchfit.stats.workload import load_workload
 
-    target = _torch_device(device)
+    target = None if device is None else torch_device_of(device)  # checked before loading
     loaded = load_workload(workload, kwargs=_model_kwargs(model_kwargs))
     if target is not None:
         loaded.model.to(target)

@@ -277,7 +277,7 @@ def search_max_batch(model: Any, inputs: Any = None, config: TrainConfig | None 
             config = make_config(config, {"optimizer": optimizer})
             optimizer = None
         _check_search_args(steps_per_trial, memory_cap_bytes, max_batch_limit, min_headroom)
-        target = _parse_device(device)
+        target = torch_device_of(device)
     from batchfit.realrun.state import preserved_state
 
     user_model = model if _is_module(model) else None
@@ -326,7 +326,9 @@ def _check_search_args(steps: Any, cap: Any, limit: Any, headroom: Any) -> None:
         raise InvalidInputError(f"min_headroom {headroom} must be a fraction in [0, 1)")
 
 
-def _parse_device(device: Any):
+def torch_device_of(device: Any) -> Any:
+    """The torch device of ``"cpu"`` or ``"cuda:N"``: one line for an unknown name or a GPU
+    this machine does not have."""
     import re
 
     import torch
