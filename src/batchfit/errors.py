@@ -30,7 +30,8 @@ def option_vocabulary(flags: Mapping[str, str]) -> Iterator[None]:
 
 def option(keyword: str, value: Any = None) -> str:
     """An option, optionally with a value, in the caller's vocabulary: ``seq_len=512`` for a
-    Python caller, ``--seq-len 512`` on the command line (a bare flag for ``True``).
+    Python caller, ``--seq-len 512`` on the command line (a bare flag for ``True``, a
+    switch's off flag for ``False``).
 
     Example:
         >>> option("seq_len", 512)
@@ -39,6 +40,8 @@ def option(keyword: str, value: Any = None) -> str:
     flags = _FLAGS.get()
     if flags is None or keyword not in flags:
         return keyword if value is None else f"{keyword}={value!r}"
+    if value is False and f"{keyword}=False" in flags:  # a switch's off flag
+        return flags[f"{keyword}=False"]
     flag = flags[keyword]
     return flag if value is None or value is True else f"{flag} {value}"
 

@@ -51,6 +51,7 @@ def conv_file(tmp_path):
     (["--lora", "r=8", "--optimizer", "adamw9bit"], "unknown optimizer 'adamw9bit'"),
     (["--lora", "r=8", "--grad-accum", "0"], "--grad-accum must be a positive integer"),
     (["--lora", "r=8", "--use-reentrant"], "add --checkpointing"),
+    (["--lora", "r=8", "--no-use-reentrant"], "add --checkpointing"),
     (["--lora", "r=8", "--transformers-version", "4.x"], "malformed --transformers-version"),
     (["--lora", "r=8", "--transformers-version", "4.20"], "from 4.28"),
     (["--lora", "r=8", "--bitsandbytes-version", "0.41.1"], "add --quant nf4"),
@@ -90,6 +91,23 @@ def test_qlora_estimate_json():
     assert data["total_bytes"] > data["peak_reserved_bytes"] > 0
 
 
+def test_the_checkpointing_variant_is_told_and_can_be_switched():
+    """QLoRA with peft's preparation checkpoints as torch's default does (reentrant): the
+    answer says so and names the switch (that the variants trace differently is
+    tests/engine/test_reentrant_default.py's)."""
+    args = ("estimate", *TINY, "-b", "2", "--gpu", "A100 80GB", "--lora", "r=8",
+            "--quant", "nf4")
+    told = invoke(*args)
+    assert told.exit_code == 0, told.output
+    assert "checkpointing is reentrant (peft's prepare_model_for_kbit_training" in told.output
+    assert "--no-use-reentrant for the other variant" in told.output
+    default, on, off = (json.loads(invoke(*args, *extra, "--json").stdout)
+                        for extra in ((), ("--use-reentrant",), ("--no-use-reentrant",)))
+    assert default["use_reentrant"] is True
+    assert "use_reentrant" not in on and "use_reentrant" not in off  # the user's own choice
+    assert default["peak_reserved_bytes"] == on["peak_reserved_bytes"]
+
+
 def test_llm_options_on_a_keras_model(tmp_path):
     """A bitsandbytes optimizer or peft/bitsandbytes adapters on a Keras model: one line."""
     pytest.importorskip("keras")
@@ -124,12 +142,14 @@ def test_transformers_version_changes_the_loss():
 
 def test_bitsandbytes_version_keeps_the_4bit_inputs():
     # bitsandbytes < 0.43.2 keeps each 4-bit layer's input for backward
-    # (engine/workloads/runtime.py): the step's activations grow, the weights do not
+    # (engine/workloads/runtime.py): the step's activations grow, the weights do not.
+    # Without checkpointing every layer's saved tensors are alive at the peak (the
+    # reentrant checkpoint of peft's default saves nothing in its no-grad forward).
     runs = {}
     for version in (None, "0.41.1"):
         extra = ["--bitsandbytes-version", version] if version else []
         result = invoke("estimate", *TINY, "-b", "4", "--lora", "r=8", "--quant", "nf4",
-                        "--json", *extra)
+                        "--no-checkpointing", "--json", *extra)
         assert result.exit_code == 0, result.output
         runs[version] = json.loads(result.stdout)["by_category"]
     assert runs["0.41.1"]["activations"] > runs[None]["activations"]

@@ -79,6 +79,9 @@ def test_option_names_follow_the_callers_vocabulary():
         assert option("seq_len") == "--seq-len"
         assert option("memory", "16GiB") == "--memory 16GiB"
         assert option("checkpointing", True) == "--checkpointing"
+        assert option("checkpointing", False) == "--no-checkpointing"
+        assert option("use_reentrant", False) == "--no-use-reentrant"
+    assert option("use_reentrant", False) == "use_reentrant=False"
 
 
 def test_a_library_error_names_the_keyword_and_the_cli_the_flag(tmp_path):

@@ -85,7 +85,7 @@ def _model_kwargs(model_kwargs: Sequence[str] | Mapping[str, Any] | None) -> dic
 
 def _config(mode: str, optimizer: str | None, precision: str | None,
             checkpointing: bool | None, channels_last: bool, lora: str | None,
-            quant: str | None, loss: str | None, grad_accum: int, use_reentrant: bool,
+            quant: str | None, loss: str | None, grad_accum: int, use_reentrant: bool | None,
             packing: bool, attn: str | None, transformers_version: str | None,
             bitsandbytes_version: str | None, recipe: str | None, zero_grad: str | None,
             settings: dict[str, Any], torchtune_version: str | None = None) -> Any:
@@ -113,8 +113,8 @@ def _config(mode: str, optimizer: str | None, precision: str | None,
             f"{option('quant', config.quant.method.value)} freezes the quantized base weights, "
             f"so nothing would train: add {option('lora')} (QLoRA), or use "
             f"{option('mode', 'infer')}")
-    if use_reentrant and not config.checkpointing:
-        raise InvalidInputError(f"{option('use_reentrant', True)} applies to checkpointing: "
+    if use_reentrant is not None and not config.checkpointing:
+        raise InvalidInputError(f"{option('use_reentrant')} applies to checkpointing: "
                                 f"add {option('checkpointing', True)}")
     return config
 
@@ -151,7 +151,7 @@ def resolve_step(model: str, *, input_shape: str | None = None, seq_len: int | N
                  channels_last: bool = False,
                  model_kwargs: Sequence[str] | Mapping[str, Any] | None = None,
                  lora: str | None = None, quant: str | None = None, loss: str | None = None,
-                 grad_accum: int = 1, use_reentrant: bool = False, packing: bool = False,
+                 grad_accum: int = 1, use_reentrant: bool | None = None, packing: bool = False,
                  attn: str | None = None, transformers_version: str | None = None,
                  bitsandbytes_version: str | None = None,
                  torchtune_version: str | None = None,

@@ -78,6 +78,11 @@ def chosen(gpu: str | None, spec: Any, config: Any = None) -> tuple[dict[str, An
             notes.append(f"note: {option('gpu')} {gpu!r} is the {choice.card.name}; it could "
                          f"also mean {others}: give the full name to choose")
     task = getattr(spec, "hf_task", None)
+    if task is not None and config is not None and _hf_checkpointing(config):
+        reentrant, why = config.reentrant_default
+        fields["use_reentrant"] = reentrant
+        notes.append(f"note: checkpointing is {'' if reentrant else 'non-'}reentrant ({why}); "
+                     f"{option('use_reentrant', not reentrant)} for the other variant")
     if task is not None:
         fields["hf_task"] = task.value
         if spec.hf_task_chosen:
@@ -87,6 +92,14 @@ def chosen(gpu: str | None, spec: Any, config: Any = None) -> tuple[dict[str, An
             notes.append(f"note: {spec.name} is built with its {task.value} head (from its "
                          f"config); another: {option('model_kwargs')} task={others}")
     return fields, notes
+
+
+def _hf_checkpointing(config: Any) -> bool:
+    """Whether the step checkpoints a Hugging Face model with the variant left unsaid."""
+    from batchfit.engine.spec import Mode
+
+    return bool(config.checkpointing) and config.mode is Mode.TRAIN and \
+        config.use_reentrant is None
 
 
 def with_cpu_overhead(profile: Any, step: Any) -> Any:

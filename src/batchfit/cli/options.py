@@ -79,8 +79,9 @@ OPTIONS: dict[str, tuple[Any, Any]] = {
     "loss": (Optional[str], _opt(None, "--loss", "standard, chunked (Liger), native "
                                  "(litgpt), chunked-output (torchtune)", LLM)),
     "grad_accum": (int, _opt(1, "--grad-accum", "micro-batches per optimizer step", LLM)),
-    "use_reentrant": (bool, _opt(False, "--use-reentrant", "checkpointing with "
-                                 "use_reentrant=True", LLM)),
+    "use_reentrant": (Optional[bool], _opt(None, "--use-reentrant/--no-use-reentrant",
+                                           "Hugging Face checkpointing's variant (the "
+                                           "recipe's, peft's or transformers')", STEP)),
     "packing": (bool, _opt(False, "--packing", "several documents per row", LLM)),
     "attn": (Optional[str], _opt(None, "--attn", "sdpa (default), eager or flash", LLM)),
     "transformers_version": (Optional[str], _opt(None, "--transformers-version",
@@ -137,8 +138,11 @@ OWN_FLAGS = {"batch_size": "--batch-size", "memory": "--memory", "margin": "--ma
                  "total_memory", "prompt_len", "new_tokens", "vllm_engine")}}
 
 #: keyword -> flag: how a library message names an option on the command line.
+#: A switch's "off" flag sits under ``"keyword=False"`` (``--no-checkpointing``).
 FLAGS = {**{keyword: info.param_decls[0].split("/")[0]
-            for keyword, (_, info) in OPTIONS.items()}, **OWN_FLAGS}
+            for keyword, (_, info) in OPTIONS.items()}, **OWN_FLAGS,
+         **{f"{keyword}=False": info.param_decls[0].split("/")[1]
+            for keyword, (_, info) in OPTIONS.items() if "/" in info.param_decls[0]}}
 
 
 def takes(*keywords: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

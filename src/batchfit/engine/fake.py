@@ -181,11 +181,11 @@ def _meta_stub(tensor: torch.Tensor, float_dtype: torch.dtype | None = None) -> 
     return stub
 
 
-def enable_checkpointing(model: nn.Module, use_reentrant: bool = False) -> None:
+def enable_checkpointing(model: nn.Module, use_reentrant: bool) -> None:
     """Turn on the model's own activation checkpointing (timm or Hugging Face).
 
-    ``use_reentrant`` is passed to Hugging Face's ``torch.utils.checkpoint`` (transformers'
-    default, False, is the non-reentrant variant).
+    ``use_reentrant`` is passed to Hugging Face's ``torch.utils.checkpoint`` (the config
+    decides it: :attr:`~batchfit.engine.spec.TrainConfig.reentrant`).
     """
     kwargs = {"use_reentrant": bool(use_reentrant)}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
@@ -202,11 +202,12 @@ def enable_checkpointing(model: nn.Module, use_reentrant: bool = False) -> None:
 
 
 def fake_twin(meta_model: nn.Module, fake_mode: Any, float_dtype: torch.dtype | None,
-              checkpointing: bool) -> nn.Module:
-    """A fake copy of ``meta_model`` (in ``float_dtype``; with activation checkpointing if
-    asked), for a preparer that wraps the module itself (a sharding strategy)."""
+              checkpointing: bool, reentrant: bool) -> nn.Module:
+    """A fake copy of ``meta_model`` (in ``float_dtype``; with activation checkpointing,
+    ``reentrant`` or not, if asked), for a preparer that wraps the module itself (a
+    sharding strategy)."""
     twin = meta_copy(meta_model, float_dtype)
     if checkpointing:
-        enable_checkpointing(twin)
+        enable_checkpointing(twin, reentrant)
     swap_to_fake(twin, fake_mode)
     return twin

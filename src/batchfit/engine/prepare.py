@@ -98,7 +98,7 @@ def workload_model(model: Any, config: TrainConfig, reuse: TraceReuse | None) ->
         meta = meta.to(torch_dtype(weight_dtype))
     transformed = apply_workload(meta, config.workload, precision=config.precision,
                                  checkpointing=config.checkpointing,
-                                 use_reentrant=config.use_reentrant,
+                                 use_reentrant=config.reentrant,
                                  training=config.mode is Mode.TRAIN)
     if config.loss is LossKind.CHUNKED:
         from batchfit.engine.workloads.runtime import apply_chunked_loss
@@ -142,9 +142,11 @@ class StepTransform(Protocol):
         """The process-wide state the trace needs (a fake process group), undone after."""
 
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
-              float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
+              float_dtype: torch.dtype | None, checkpointing: bool,
+              reentrant: bool) -> nn.Module:
         """The module the step runs, with fake tensors, from a model built on meta (or the
-        user's module, which must not be changed: copy it)."""
+        user's module, which must not be changed: copy it); ``reentrant``: the
+        checkpointing variant (:attr:`~batchfit.engine.spec.TrainConfig.reentrant`)."""
 
     def watched(self, module: nn.Module) -> nn.Module:
         """The module whose submodules name memory (DDP's wrapped module)."""
@@ -199,7 +201,7 @@ class PlainModule:
         twin = fake_copy(self.base, fake_mode, float_dtype=float_dtype,
                          channels_last=self.config.channels_last, owned=self.owned)
         if self.config.checkpointing and training:
-            enable_checkpointing(twin, self.config.use_reentrant)
+            enable_checkpointing(twin, self.config.reentrant)
         return PreparedModule(twin)
 
 
@@ -226,7 +228,7 @@ class WorkloadModule:
         if self.device.is_cuda and builds_on_device(self.config):
             record_build(twin, tracer, self.config.torchtune_version)
         if self.config.checkpointing and training and not workload_checkpointing(self.config):
-            enable_checkpointing(twin, self.config.use_reentrant)
+            enable_checkpointing(twin, self.config.reentrant)
         return PreparedModule(twin, stored)
 
 
@@ -246,7 +248,8 @@ class ShardedModule:
         try:
             with fake_mode, tracer:
                 twin = self.transform.build(self.base, fake_mode, tracer, float_dtype,
-                                            self.config.checkpointing and training)
+                                            self.config.checkpointing and training,
+                                            self.config.reentrant)
         except BatchfitError:
             raise
         except Exception as exc:

@@ -289,9 +289,9 @@ class TrainConfig:
         grad_accum_steps: micro-batches per optimizer step; the batch size is the
             micro-batch. From the second micro-batch on, the gradients of the earlier ones
             are live through forward and backward.
-        use_reentrant: Hugging Face checkpointing with ``use_reentrant=True`` (torch's old
-            default, and peft's ``prepare_model_for_kbit_training``'s); False is
-            transformers' default since 4.35.
+        use_reentrant: Hugging Face checkpointing with ``use_reentrant=True`` (torch's
+            reentrant variant) or False; None: what the user's stack does
+            (:attr:`reentrant`).
         packing: several documents per row (``position_ids`` restart per document), as
             TRL's packing with ``padding_free`` does; the attention mask then follows them.
         transformers_version: ``"4.46"``...: the causal-LM loss as that transformers computes
@@ -328,7 +328,7 @@ class TrainConfig:
     quant: Any = None
     loss: Any = None
     grad_accum_steps: int = 1
-    use_reentrant: bool = False
+    use_reentrant: bool | None = None
     packing: bool = False
     transformers_version: Any = None
     bitsandbytes_version: Any = None
@@ -452,6 +452,23 @@ class TrainConfig:
             return None
         return Workload(lora=self.lora, quant=self.quant, loss=self.loss,
                         transformers_version=self.transformers_version, recipe=self.recipe)
+
+    @property
+    def reentrant(self) -> bool:
+        """Whether Hugging Face checkpointing is reentrant: ``use_reentrant``, else the
+        recipe's, peft's or transformers' default
+        (:func:`~batchfit.engine.workloads.recipes.default_reentrant`)."""
+        if self.use_reentrant is not None:
+            return bool(self.use_reentrant)
+        return self.reentrant_default[0]
+
+    @property
+    def reentrant_default(self) -> tuple[bool, str]:
+        """What ``use_reentrant=None`` means for this step, and why."""
+        from batchfit.engine.workloads.recipes import default_reentrant
+
+        kbit = self.quant is not None and bool(self.quant.prepare)
+        return default_reentrant(self.recipe, kbit, self.transformers_version)
 
     @property
     def resolved_stack(self) -> Any:

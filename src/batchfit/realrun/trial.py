@@ -365,13 +365,13 @@ class _StepSetup:
 
             model = apply_workload(model, config.workload, precision=config.precision,
                                    checkpointing=config.checkpointing,
-                                   use_reentrant=config.use_reentrant,
+                                   use_reentrant=config.reentrant,
                                    training=config.mode is Mode.TRAIN)
             prepared = config.quant is not None and config.quant.prepare
         if config.checkpointing and config.mode is Mode.TRAIN and not prepared:
             from batchfit.engine.fake import enable_checkpointing
 
-            enable_checkpointing(model, config.use_reentrant)
+            enable_checkpointing(model, config.reentrant)
         return model.to(self.device)
 
 

@@ -169,11 +169,12 @@ class DDPTransform(_Transform):
     whole_steps = False
 
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
-              float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
+              float_dtype: torch.dtype | None, checkpointing: bool,
+              reentrant: bool) -> nn.Module:
         import torch.nn.parallel.distributed as ddp_module
 
         self._follow(tracer)
-        twin = fake_twin(meta_model, fake_mode, float_dtype, checkpointing)
+        twin = fake_twin(meta_model, fake_mode, float_dtype, checkpointing, reentrant)
         self._bucket_kind = (Category.GRADIENTS if self.layout.gradient_as_bucket_view
                              else Category.COMMUNICATION)
         check = ddp_module._verify_param_shape_across_processes
@@ -272,12 +273,13 @@ class FSDP2Transform(_Transform):
     whole_steps = False
 
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
-              float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
+              float_dtype: torch.dtype | None, checkpointing: bool,
+              reentrant: bool) -> nn.Module:
         self._follow(tracer)
         with ti.no_dispatch_modes():  # real meta tensors, not fake ones on the meta device
             model = meta_copy(meta_model, float_dtype)
             if checkpointing:
-                enable_checkpointing(model)
+                enable_checkpointing(model, reentrant)
             shard_model(model, self.layout, self.world, self.precision)
         model.to_empty(device="cpu")
         self._groups = {}
@@ -369,12 +371,13 @@ class FSDP1Transform(_Transform):
             yield
 
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
-              float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
+              float_dtype: torch.dtype | None, checkpointing: bool,
+              reentrant: bool) -> nn.Module:
         import warnings
 
         self._follow(tracer)
         mark = len(tracer.events)
-        twin = fake_twin(meta_model, fake_mode, float_dtype, checkpointing)
+        twin = fake_twin(meta_model, fake_mode, float_dtype, checkpointing, reentrant)
         offload = self.layout.offload is Offload.PARAMS and not self.host_is_device
         built: set[int] = set()
         if offload:

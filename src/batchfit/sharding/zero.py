@@ -287,14 +287,15 @@ class ZeroTransform:
             ds_torch.build_shm_op = build_shm_op
 
     def build(self, meta_model: nn.Module, fake_mode: Any, tracer: Tracer,
-              float_dtype: torch.dtype | None, checkpointing: bool) -> nn.Module:
+              float_dtype: torch.dtype | None, checkpointing: bool,
+              reentrant: bool) -> nn.Module:
         from batchfit.engine.fake import fake_twin
         from batchfit.engine.tracer import Phase
 
         self.tracer = tracer
         # DeepSpeed's offload checks each gradient for overflow during backward
         tracer.item_phases = tracer.item_phases | {Phase.BACKWARD}
-        twin = fake_twin(meta_model, fake_mode, float_dtype, checkpointing)
+        twin = fake_twin(meta_model, fake_mode, float_dtype, checkpointing, reentrant)
         twin.to = lambda *args, **kwargs: twin  # fake parameters cannot be swapped in place
         return twin
 

@@ -201,7 +201,7 @@ class _Sweep:
             module.to(memory_format=torch.channels_last)
         module.to(self.torch_device)
         if self._checkpointing:
-            enable_checkpointing(module)
+            enable_checkpointing(module, config.reentrant)
         self.module = module
 
     def _changes_module(self, module: Any) -> bool:

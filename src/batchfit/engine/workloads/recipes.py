@@ -8,7 +8,11 @@ commit named in ``docs/guides/llm-recipes.md``; the file and behaviour are cited
   ``prepare_model_for_kbit_training`` (peft/utils/other.py) upcasts every remaining
   fp16/bf16 parameter (embeddings, norms, head) to fp32 and turns on gradient checkpointing
   (``use_gradient_checkpointing=True``); ``get_peft_model(autocast_adapter_dtype=True)``
-  keeps adapters in fp32; compute in bf16 autocast; transformers' float32 loss.
+  keeps adapters in fp32; compute in bf16 autocast; transformers' float32 loss. Its
+  ``gradient_checkpointing_kwargs=None`` becomes ``{}``, which it passes on to
+  ``gradient_checkpointing_enable``; transformers replaces only None with its own default,
+  so ``functools.partial(checkpoint, **{})`` leaves ``use_reentrant`` to torch, whose
+  ``checkpoint`` takes None as True (torch/utils/checkpoint.py): reentrant checkpointing.
 * ``litgpt``: ``litgpt finetune_lora --precision bf16-true --quantize bnb.nf4``
   (litgpt/finetune/lora.py): mixed precision with quantization is refused ("Quantization and
   mixed precision is not supported"); ``BitsandbytesPrecision(quantize[4:], dtype)`` quantizes
@@ -30,17 +34,29 @@ commit named in ``docs/guides/llm-recipes.md``; the file and behaviour are cited
   preparation; ``enable_activation_checkpointing: True``; ``torch.optim.AdamW`` with
   ``fused: True``; the chunked output cross-entropy (torchtune/modules/loss/
   ce_chunked_output_loss.py: 8 chunks, each upcast to float32 on its own);
-  ``compile: False`` (torch.compile is not modelled, see :data:`COMPILE_NOTE`).
+  ``compile: False`` (torch.compile is not modelled, see :data:`COMPILE_NOTE`);
+  ``checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT)``
+  (torchtune/training/activations.py): non-reentrant checkpointing.
 * ``unsloth``: ``FastLanguageModel.from_pretrained(load_in_4bit=True)`` and its notebooks:
   bf16 weights and adapters, no peft kbit upcast, ``use_gradient_checkpointing="unsloth"``
   (modelled as plain checkpointing: its CPU offload of the saved hidden states is not), the
   fused cross-entropy that never makes float32 logits (modelled as the loss on the bf16
-  logits), ``optim="adamw_8bit"``.
+  logits), ``optim="adamw_8bit"``; its checkpointing is reentrant (``use_reentrant = True``
+  in unsloth/models/llama.py and ``prepare_model_for_kbit_training`` in
+  unsloth/models/_utils.py).
 * ``axolotl``: a peft-based trainer. ``ModelLoader._prepare_model_for_quantization``
   (src/axolotl/loaders/model.py) runs ``prepare_model_for_kbit_training`` for QLoRA except
   for Qwen, LoftQ, FSDP and DeepSpeed ZeRO-3; its QLoRA examples
   (examples/llama-2/qlora.yml, examples/llama-3/qlora.yml) set ``bf16: auto``,
-  ``gradient_checkpointing: true`` and ``optimizer: paged_adamw_32bit``.
+  ``gradient_checkpointing: true`` and ``optimizer: paged_adamw_32bit``; ``normalize_config``
+  (src/axolotl/utils/config/__init__.py) sets ``gradient_checkpointing_kwargs =
+  {"use_reentrant": True}`` when the config gives none: reentrant checkpointing.
+
+Without a recipe's own choice, Hugging Face checkpointing is as transformers sets it when
+``gradient_checkpointing_kwargs`` is None (``gradient_checkpointing_enable`` in
+modeling_utils.py): ``{"use_reentrant": True}`` before 5.0 (4.35-4.57; earlier releases
+called ``checkpoint`` without it, torch's True), ``{"use_reentrant": False}`` from 5.0
+(huggingface/transformers#43203): :func:`default_reentrant`.
 """
 
 from __future__ import annotations
@@ -87,6 +103,8 @@ class RecipeDefaults:
     optimizer_quant: str
     compile_note: str | None = None
     holds_loss: bool = False
+    #: the framework's ``use_reentrant`` for activation checkpointing; None: transformers'
+    use_reentrant: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"recipe": self.recipe.value, "kbit_prepare": self.kbit_prepare,
@@ -94,7 +112,8 @@ class RecipeDefaults:
                 "precision_quant": self.precision_quant, "checkpointing": self.checkpointing,
                 "checkpointing_quant": self.checkpointing_quant, "loss": self.loss,
                 "optimizer": self.optimizer, "optimizer_quant": self.optimizer_quant,
-                "compile_note": self.compile_note, "holds_loss": self.holds_loss}
+                "compile_note": self.compile_note, "holds_loss": self.holds_loss,
+                "use_reentrant": self.use_reentrant}
 
 
 RECIPES: dict[Recipe, RecipeDefaults] = {
@@ -111,15 +130,17 @@ RECIPES: dict[Recipe, RecipeDefaults] = {
         Recipe.TORCHTUNE, kbit_prepare=False, adapter_dtype="bf16", precision="bf16",
         precision_quant="bf16", checkpointing=True, checkpointing_quant=True,
         loss="chunked-output", optimizer="adamw", optimizer_quant="adamw",
-        compile_note=COMPILE_NOTE),
+        compile_note=COMPILE_NOTE, use_reentrant=False),
     Recipe.UNSLOTH: RecipeDefaults(
         Recipe.UNSLOTH, kbit_prepare=False, adapter_dtype="bf16", precision="bf16",
         precision_quant="bf16", checkpointing=True, checkpointing_quant=True,
-        loss="native", optimizer="adamw8bit", optimizer_quant="adamw8bit"),
+        loss="native", optimizer="adamw8bit", optimizer_quant="adamw8bit",
+        use_reentrant=True),
     Recipe.AXOLOTL: RecipeDefaults(
         Recipe.AXOLOTL, kbit_prepare=True, adapter_dtype="fp32", precision="amp-bf16",
         precision_quant="amp-bf16", checkpointing=True, checkpointing_quant=True,
-        loss="standard", optimizer="paged-adamw32bit", optimizer_quant="paged-adamw32bit"),
+        loss="standard", optimizer="paged-adamw32bit", optimizer_quant="paged-adamw32bit",
+        use_reentrant=True),
 }
 
 #: torchtune's optimizer configs pass ``fused: True`` (recipes/configs/*/*lora*.yaml).
@@ -143,6 +164,38 @@ def recipe_defaults(recipe: Recipe | None, quantized: bool) -> RecipeDefaults | 
     if recipe is None:
         return RECIPES[Recipe.PEFT] if quantized else None
     return RECIPES[recipe]
+
+
+#: The first transformers release whose ``gradient_checkpointing_enable`` defaults to
+#: ``use_reentrant=False`` (huggingface/transformers#43203; 4.57 still sets True).
+NON_REENTRANT_DEFAULT = (5, 0)
+
+
+def default_reentrant(recipe: Recipe | None, kbit_prepare: bool,
+                      transformers_version: tuple[int, int] | None) -> tuple[bool, str]:
+    """Whether Hugging Face activation checkpointing is reentrant when the user does not
+    say, and why (see the module docstring): the recipe's own choice; else, when peft's
+    ``prepare_model_for_kbit_training`` turns checkpointing on, torch's default (True);
+    else transformers' default for ``transformers_version`` (None: the installed one)."""
+    own = RECIPES[recipe].use_reentrant if recipe is not None else None
+    if own is not None:
+        return own, f"{recipe.value}'s checkpointing"
+    if kbit_prepare:
+        return True, ("peft's prepare_model_for_kbit_training leaves use_reentrant to "
+                      "torch's checkpoint, which defaults to True")
+    if transformers_version is None:
+        from importlib.metadata import PackageNotFoundError
+
+        from batchfit.engine.workloads.hfloss import installed_version
+
+        try:
+            transformers_version = installed_version()
+        except PackageNotFoundError:  # no Hugging Face model to checkpoint
+            return False, "torch's recommended variant (transformers is not installed)"
+    version = ".".join(map(str, transformers_version))
+    if transformers_version < NON_REENTRANT_DEFAULT:
+        return True, f"transformers {version}'s default"
+    return False, f"transformers {version}'s default"
 
 
 def check_recipe(recipe: Recipe, *, lora: Any, quant: Any, precision: Any,
