@@ -118,9 +118,9 @@ def apply_transformers_loss(model: nn.Module, version: tuple[int, int]) -> None:
     wanted = era(version)
     if wanted == era(installed_version()):
         return
-    base = model
-    while hasattr(base, "get_base_model") and base.get_base_model() is not base:
-        base = base.get_base_model()
+    from batchfit.engine.workloads.losses import base_model_of
+
+    base = base_model_of(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if head is None or not hasattr(type(base), "loss_function"):
         raise InvalidInputError(

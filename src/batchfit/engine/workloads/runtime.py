@@ -362,9 +362,9 @@ def apply_chunked_loss(model: torch.nn.Module) -> None:
         raise InvalidInputError(
             f"{option('loss', 'chunked')} uses Liger-Kernel's fused linear cross-entropy: "
             "pip install liger-kernel") from exc
-    base = model
-    while hasattr(base, "get_base_model") and base.get_base_model() is not base:
-        base = base.get_base_model()  # a peft model: patch the transformers model inside
+    from batchfit.engine.workloads.losses import base_model_of
+
+    base = base_model_of(model)  # a peft model: patch the transformers model inside
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise InvalidInputError(
