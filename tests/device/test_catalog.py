@@ -481,6 +481,7 @@ NEW_CARDS = {
     "rtx-5070": ["5070", "RTX 5070", "NVIDIA GeForce RTX 5070"],
     "rtx-5060-ti-16gb": ["RTX 5060 Ti 16GB", "5060 Ti 16GB", "GeForce RTX 5060 Ti 16 GB"],
     "h20": ["H20", "NVIDIA H20", "h20 96gb"],
+    "a10g": ["A10G", "NVIDIA A10G", "a10g 24gb"],
     "h800-sxm": ["H800", "NVIDIA H800", "H800 SXM", "H800 80GB"],
     "a800-80gb": ["A800", "A800 80GB", "NVIDIA A800-SXM4-80GB"],
     "l20": ["L20", "NVIDIA L20", "l20 48gb"],
@@ -674,6 +675,16 @@ def test_every_cuda_total_matches_the_figure_its_source_quotes():
         assert gpu.cuda_total_bytes == _quoted_total_mib(gpu.cuda_total_source) * 2**20, gpu.key
 
 
+def test_the_a10g_is_its_own_card_not_the_a10():
+    # AWS's A10G: 80 SMs where the A10 has 72 (torch's multi_processor_count=80 print), and
+    # its own total: vllm-project/vllm#372's "22.19 GiB total capacity" on a g5 instance,
+    # 22.19 x 1024 = 22,722.56 MiB, rounded down
+    a10g, a10 = find_gpu("A10G"), find_gpu("A10")
+    assert (a10g.key, a10g.sm_count, a10g.compute_capability) == ("a10g", 80, (8, 6))
+    assert a10g.cuda_total_bytes == 22_722 * 2**20
+    assert (a10.key, a10.sm_count, a10.cuda_total_bytes) == ("a10", 72, 22_517 * 2**20)
+
+
 def test_quoted_figures_convert_as_the_catalog_says():
     # 14.76 GiB = 15,114.24 MiB -> 15,114; deviceQuery's 42,298,834,944 B = 40,339.3 MiB
     assert _quoted_total_mib("u | 14.76 GiB total capacity") == 15_114
@@ -784,6 +795,8 @@ def test_choose_gpu_names_the_variants_a_short_name_leaves_open():
     assert {g.key for g in choose_gpu("H100").alternatives} == {"h100-pcie", "h100-nvl"}
     assert {g.key for g in choose_gpu("A100").alternatives} == {
         "a100-40gb", "a100-pcie-40gb", "a100-pcie-80gb"}
+    # AWS's A10G is the A10's variant: "A10" names the A10 and says the A10G exists
+    assert {g.key for g in choose_gpu("A10").alternatives} == {"a10g"}
     # another card, not a variant: L40S of L40, A100 of A10, RTX 3080 Ti of RTX 3080
-    for name in ("L40", "A10", "RTX 3080", "T4", "NVIDIA A100 80GB SXM"):
+    for name in ("L40", "A10G", "RTX 3080", "T4", "NVIDIA A100 80GB SXM"):
         assert not choose_gpu(name).ambiguous, name
