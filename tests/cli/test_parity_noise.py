@@ -31,9 +31,9 @@ def test_noise_in_words_is_the_command(workload_file):  # noqa: F811
 
 
 def test_recommend_in_words_is_the_command(workload_file):  # noqa: F811
-    """The command measures the noise scale, then the curve (two library calls, each with
-    its progress); the library's one call must give the same JSON: the factory's SGD, the
-    data's size as the batch limit, fp32 and the current batch defaulting to batch_big."""
+    """The command and the library make the same one call (the command adds a progress
+    display per phase) and give the same JSON: the factory's SGD, the data's size as the
+    batch limit, fp32 and the current batch defaulting to batch_big."""
     workload = f"{workload_file}:trains"
     cli = _cli("recommend", workload, "--steps", "12", "--gpu", "A100", "--predict",
                "--batches", "8,64,512")
@@ -65,3 +65,34 @@ def test_the_engine_forms_still_answer():
                                         current_batch_size=8)
     assert isinstance(rec, batchfit.Recommendation) and rec.b_noise == 32.0
     assert 8 <= rec.recommended_batch_size <= 64
+
+
+def test_recommend_builds_the_workload_once(tmp_path):
+    """The command measures the noise and then the curve on one loaded workload, as the
+    library's one call does (it used to build a large factory twice), and still shows
+    the noise phase's progress (the prediction's spinner prints only when it lasts)."""
+    calls = tmp_path / "calls.txt"
+    path = tmp_path / "counted.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def counted():\n"
+        f"    with open({str(calls)!r}, 'a') as f:\n"
+        "        f.write('built\\n')\n"
+        "    torch.manual_seed(0)\n"
+        "    x = torch.randn(512, 8, generator=torch.Generator().manual_seed(0))\n"
+        "    model = nn.Linear(8, 1)\n"
+        "    loss = lambda m, b: 0.5 * (m(b[0]) - b[1]).square().mean()\n"
+        "    return model, (x, x.sum(1, keepdim=True)), loss, "
+        "torch.optim.SGD(model.parameters(), lr=0.05)\n")
+    args = ["recommend", f"{path}:counted", "--steps", "6", "--gpu", "A100", "--predict",
+            "--batches", "8,64"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert calls.read_text().count("built") == 1
+    assert "measuring the noise scale: step 6 of 6" in result.output
+    calls.unlink()
+    cli = _cli(*args)
+    answer = batchfit.recommend_batch_size(f"{path}:counted", steps=6, gpu="A100",
+                                           predict=True, batches="8,64")
+    assert calls.read_text().count("built") == 2  # one each: the command, the library
+    assert answer.to_dict() == cli

@@ -13,8 +13,10 @@ two commands is made here, once; messages name options through
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,6 +174,18 @@ def _curve(loaded: Any, config: Any, run_on: str | None, memory: str | int | Non
                  on_point=callbacks.get("on_point"))
 
 
+@dataclass(frozen=True)
+class RecommendPhases:
+    """Progress for :func:`recommend_words`' two phases, one display each (the command's):
+    ``noise()`` is entered while the noise scale is measured and gives the per-step hook;
+    ``curve()`` while the step-time curve is measured or predicted and gives the
+    ``(on_measure, on_point)`` hooks (None, None when predicting)."""
+
+    noise: Callable[[], AbstractContextManager[Callable[[int], None] | None]]
+    curve: Callable[[], AbstractContextManager[tuple[Callable[[int], None] | None,
+                                                     Callable[[Any], None] | None]]]
+
+
 def recommend_checks(*, gpu: str | None = None, predict: bool = False,
                      current_batch: int | None = None, batches: str | Sequence[int] = "auto",
                      **stack: Any) -> tuple[dict[str, Any], Any]:
@@ -211,6 +225,7 @@ def recommend_words(workload: str, *, batch_small: int = BATCH_SMALL,
                     on_step: Callable[[int], None] | None = None,
                     on_measure: Callable[[int], None] | None = None,
                     on_point: Callable[[Any], None] | None = None,
+                    phases: RecommendPhases | None = None,
                     **stack: Any) -> RecommendAnswer:
     """The batch of the workload file ``workload`` that reaches a target loss soonest, as
     ``batchfit recommend`` answers it: its noise scale (measured as :func:`noise_words`
@@ -228,21 +243,29 @@ def recommend_words(workload: str, *, batch_small: int = BATCH_SMALL,
         stack: the stack options (``stack``, ``torch_version``, ...), with ``predict`` only.
         on_step, on_measure, on_point: progress of the noise steps and of the measured
             curve.
+        phases: a display per phase, entered around each (the command's); it replaces
+            ``on_step``, ``on_measure`` and ``on_point``.
     """
     settings, chosen_batches = recommend_checks(gpu=gpu, predict=predict,
                                                 current_batch=current_batch, batches=batches,
                                                 **stack)
-    loaded = load(workload, None if predict else device, model_kwargs)
+    if phases is None:
+        phases = RecommendPhases(lambda: contextlib.nullcontext(on_step),
+                                 lambda: contextlib.nullcontext((on_measure, on_point)))
+    loaded = load(workload, None if predict else device, model_kwargs)  # once, for both
     if noise_scale is None:
-        noise = _measured(loaded, batch_small, batch_big, steps, method, train, seed, on_step)
+        with phases.noise() as step_hook:
+            noise = _measured(loaded, batch_small, batch_big, steps, method, train, seed,
+                              step_hook)
     elif isinstance(noise_scale, (int, float)):
         noise = given_noise(float(noise_scale), batch_small, batch_big)
     else:
         noise = noise_scale
     config = _step_config(loaded, precision, optimizer, settings)
     run_on = None if predict else (device or "cpu")
-    throughput = _curve(loaded, config, run_on, memory, gpu, chosen_batches,
-                        {"on_measure": on_measure, "on_point": on_point})
+    with phases.curve() as (measure_hook, point_hook):
+        throughput = _curve(loaded, config, run_on, memory, gpu, chosen_batches,
+                            {"on_measure": measure_hook, "on_point": point_hook})
     from batchfit.stats.recommend import curve_points, recommend_batch_size
 
     points, limit = curve_points(throughput)

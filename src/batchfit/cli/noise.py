@@ -3,6 +3,8 @@ the batch that reaches a target loss soonest (registered on the app when importe
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import typer
@@ -104,30 +106,20 @@ def recommend_cmd(
     """
     with errors(debug):
         check_plot(plot)
-        from batchfit.api.noise import noise_words, recommend_checks, recommend_words
+        from batchfit.api.noise import RecommendPhases, recommend_words
 
         stack_words = {"stack": stack, "torch_version": torch_version,
                        "cuda_version": cuda_version, "cudnn_benchmark": cudnn_benchmark,
                        "alloc_conf": alloc_conf}
-        recommend_checks(gpu=gpu, predict=predict, current_batch=current_batch,
-                         batches=batches, **stack_words)  # before the noise is measured
-        common = {"batch_small": batch_small, "batch_big": batch_big,
-                  "model_kwargs": model_kwargs}
-        noise: Any = noise_scale_value
-        if noise is None:
-            with counted_progress("recommend", "measuring the noise scale", steps) as on_step:
-                noise = noise_words(workload, steps=steps, method=method,
-                                    device=None if predict else device, train=train,
-                                    seed=seed, on_step=on_step, **common).result
-        curve = (progress("recommend", f"predicting step times on {gpu}") if predict
-                 else bench_progress("recommend"))
-        with curve as shown:
-            on_measure, on_point = (None, None) if predict else shown
-            answer = recommend_words(
-                workload, noise_scale=noise, device=device, memory=memory, gpu=gpu,
-                predict=predict, batches=batches, precision=precision, optimizer=optimizer,
-                current_batch=current_batch, on_measure=on_measure, on_point=on_point,
-                **common, **stack_words)
+        phases = RecommendPhases(
+            noise=lambda: counted_progress("recommend", "measuring the noise scale", steps),
+            curve=lambda: _curve_progress(predict, gpu))
+        answer = recommend_words(
+            workload, batch_small=batch_small, batch_big=batch_big, steps=steps,
+            method=method, train=train, seed=seed, noise_scale=noise_scale_value,
+            device=device, memory=memory, gpu=gpu, predict=predict, batches=batches,
+            precision=precision, optimizer=optimizer, current_batch=current_batch,
+            model_kwargs=model_kwargs, phases=phases, **stack_words)
         rec = answer.result
         if plot:
             from batchfit.cli.noise_report import plot_recommendation
@@ -141,3 +133,15 @@ def recommend_cmd(
         out.print(render_recommendation(rec, answer.noise, workload, predict))
         if plot:
             out.print(f"plot written to {plot}")
+
+
+@contextlib.contextmanager
+def _curve_progress(predict: bool, gpu: str | None) -> Iterator[tuple[Any, Any]]:
+    """The curve's display: a spinner while predicting (no per-batch hooks), else the
+    measured batches as they end."""
+    if predict:
+        with progress("recommend", f"predicting step times on {gpu}"):
+            yield None, None
+    else:
+        with bench_progress("recommend") as hooks:
+            yield hooks
