@@ -445,13 +445,21 @@ class _Needs:
         sizes = self.sizes.setdefault(key, {})
 
         def need_many(batches: list[int]) -> dict[int, int]:
+            raise_known_failure(batches)  # the error the traces below would end in
             todo = [b for b in batches if b not in sizes and (key, b) not in self.failures]
             traced = self.pool.map([self._ids[key, b] for b in todo])
             self._record(key, {b: traced[self._ids[key, b]] for b in todo})
+            raise_known_failure(batches)
+            return {b: sizes[b] for b in batches}
+
+        def raise_known_failure(batches: list[int]) -> None:
+            """Raise the error of the first of ``batches`` that failed, if every one before
+            it is known: the first failure in order is what the search answers."""
             for b in batches:
                 if (key, b) in self.failures:
                     raise self.failures[key, b]
-            return {b: sizes[b] for b in batches}
+                if b not in sizes:
+                    return
 
         divisors = _divisors(per_replica)
         slope = self.slopes.get(config.checkpointing)
