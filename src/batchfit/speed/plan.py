@@ -187,6 +187,10 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
         # one model built on meta for the facts, the memory traces and the roofline's
         facts = _model_facts(model, inputs, needs.meta_model)
         speed = _Speed(model, inputs, card, needs.meta_model)
+        needs.first_rounds([[(replace(layout, offload=off), replace(config, checkpointing=ckpt))
+                             for ckpt, off in _variants(layout, checkpointing, offload)]
+                            for _, _, layout in layouts if not isinstance(layout, str)
+                            and global_batch % layout.data_parallel_size == 0], on_layout)
         for strategy, tp, layout in layouts:
             if isinstance(layout, str):
                 rows.append(LayoutPlan(strategy, tp, "none", False, False, layout))
@@ -284,11 +288,7 @@ def _best_variant(needs: _Needs, config: TrainConfig, card: Any, layout: Any,
                   on_layout: Callable[[str], None] | None) -> LayoutPlan:
     """The first variant (least checkpointing and offload) that fits, else why none does."""
     last: LayoutPlan | None = None
-    variants = _variants(layout, checkpointing, offload)
-    if global_batch % layout.data_parallel_size == 0:
-        needs.first_pair([(replace(layout, offload=off), replace(config, checkpointing=ckpt))
-                          for ckpt, off in variants])
-    for ckpt, off in variants:
+    for ckpt, off in _variants(layout, checkpointing, offload):
         variant = replace(layout, offload=off)
         label = (f"{layout.strategy.value}{f' tp{layout.tp}' if layout.tp > 1 else ''}"
                  f"{' +checkpointing' if ckpt else ''}{f' +offload {off}' if off != 'none' else ''}")
@@ -400,26 +400,41 @@ class _Needs:
     def _record(self, key: tuple[Any, ...], traced: Mapping[int, int | BatchfitError]) -> None:
         """Keep what the traces of ``key``'s micro-batches gave: bytes, or the error that
         answers for that micro-batch when (and only if) the search asks for it. A variant
-        traced ahead of need (:meth:`first_pair`) can fail where the search never goes:
-        a ``Sequential`` checkpointed, which it cannot be, when the variant without
-        checkpointing fits."""
+        traced at a micro-batch of 1 (:meth:`first_rounds`) keeps its error until its
+        search asks for it."""
         for micro, result in traced.items():
             if isinstance(result, BatchfitError):
                 self.failures[key, micro] = result
             else:
                 self.sizes.setdefault(key, {})[micro] = result
 
-    def first_pair(self, variants: list[tuple[Any, TrainConfig]]) -> None:
-        """Trace a layout's first two variants (without and with checkpointing, say) at a
-        micro-batch of 1 at once, when the pool runs pairs: the second is what the search
-        needs next when the first does not fit (a large model), and costs no time when it
-        does (the first variant's search then pairs its own micro-batches)."""
-        if len(variants) < 2 or not self.pool.parallel():
-            return
-        keys = [_variant_key(layout, config) for layout, config in variants[:2]]
+    def first_rounds(self, searches: list[list[tuple[Any, TrainConfig]]],
+                     on_round: Callable[[str], None] | None = None) -> None:
+        """Trace, across all layouts at once, the micro-batch of 1 every layout's search
+        begins with: each layout's first variant (its least checkpointing and offload),
+        then the next variant of each layout whose first does not fit at 1 (the search
+        moves on to it). Exactly the traces the layouts' searches would run first, one
+        layout after another; here they pair across layouts (a ZeRO-2 trace with a
+        ZeRO-3 one, say) where one layout alone has only one to run. ``searches``: each
+        layout's variants in the order :func:`_best_variant` tries them."""
+        self.pool.parallel()  # forks the worker now, before this process's first backward
+        if on_round is not None:
+            on_round(f"a micro-batch of 1 for {len(searches)} layouts")
+        self._trace_at_one([variants[0] for variants in searches])
+        self._trace_at_one([variants[1] for variants in searches
+                            if len(variants) > 1 and not self._fits_at_one(*variants[0])])
+
+    def _trace_at_one(self, variants: list[tuple[Any, TrainConfig]]) -> None:
+        keys = [key for key in dict.fromkeys(_variant_key(*v) for v in variants)
+                if 1 not in self.sizes.get(key, {}) and (key, 1) not in self.failures]
         traced = self.pool.map([self._ids[key, 1] for key in keys])
         for key in keys:
             self._record(key, {1: traced[self._ids[key, 1]]})
+
+    def _fits_at_one(self, layout: Any, config: TrainConfig) -> bool:
+        key = _variant_key(layout, config)
+        return (key, 1) not in self.failures and \
+            self.sizes[key][1] <= self.device.total_memory_bytes
 
     def largest_divisor_that_fits(self, layout: Any, config: TrainConfig,
                                   per_replica: int) -> tuple[int | None, int]:
@@ -430,13 +445,21 @@ class _Needs:
         sizes = self.sizes.setdefault(key, {})
 
         def need_many(batches: list[int]) -> dict[int, int]:
+            raise_known_failure(batches)  # the error the traces below would end in
             todo = [b for b in batches if b not in sizes and (key, b) not in self.failures]
             traced = self.pool.map([self._ids[key, b] for b in todo])
             self._record(key, {b: traced[self._ids[key, b]] for b in todo})
+            raise_known_failure(batches)
+            return {b: sizes[b] for b in batches}
+
+        def raise_known_failure(batches: list[int]) -> None:
+            """Raise the error of the first of ``batches`` that failed, if every one before
+            it is known: the first failure in order is what the search answers."""
             for b in batches:
                 if (key, b) in self.failures:
                     raise self.failures[key, b]
-            return {b: sizes[b] for b in batches}
+                if b not in sizes:
+                    return
 
         divisors = _divisors(per_replica)
         slope = self.slopes.get(config.checkpointing)
