@@ -177,20 +177,20 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
     layouts = [(strategy, tp, _layout(strategy, count, nodes, tp)) for strategy in names
                for tp in ([1] if strategy != "fsdp" else [1, *tp_degrees])]
     _check_global_batch(global_batch, count, [layout for _, _, layout in layouts])
-    requests = [(replace(layout, offload=off), replace(config, checkpointing=ckpt), micro)
+    # each searchable layout's variants, in the order _best_variant tries them
+    searches = [[(replace(layout, offload=off), replace(config, checkpointing=ckpt))
+                 for ckpt, off in _variants(layout, checkpointing, offload)]
                 for _, _, layout in layouts
-                if not isinstance(layout, str) and global_batch % layout.data_parallel_size == 0
-                for ckpt, off in _variants(layout, checkpointing, offload)
-                for micro in _divisors(global_batch // layout.data_parallel_size)]
+                if not isinstance(layout, str) and global_batch % layout.data_parallel_size == 0]
+    requests = [(variant, variant_config, micro) for variants in searches
+                for variant, variant_config in variants
+                for micro in _divisors(global_batch // variant.data_parallel_size)]
     rows = []
     with _Needs(model, inputs, gpu_profile(card), requests, config) as needs:
         # one model built on meta for the facts, the memory traces and the roofline's
         facts = _model_facts(model, inputs, needs.meta_model)
         speed = _Speed(model, inputs, card, needs.meta_model)
-        needs.first_rounds([[(replace(layout, offload=off), replace(config, checkpointing=ckpt))
-                             for ckpt, off in _variants(layout, checkpointing, offload)]
-                            for _, _, layout in layouts if not isinstance(layout, str)
-                            and global_batch % layout.data_parallel_size == 0], on_layout)
+        needs.first_rounds(searches, on_layout)
         for strategy, tp, layout in layouts:
             if isinstance(layout, str):
                 rows.append(LayoutPlan(strategy, tp, "none", False, False, layout))

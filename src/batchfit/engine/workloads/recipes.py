@@ -193,9 +193,7 @@ def default_reentrant(recipe: Recipe | None, kbit_prepare: bool,
         except PackageNotFoundError:  # no Hugging Face model to checkpoint
             return False, "torch's recommended variant (transformers is not installed)"
     version = ".".join(map(str, transformers_version))
-    if transformers_version < NON_REENTRANT_DEFAULT:
-        return True, f"transformers {version}'s default"
-    return False, f"transformers {version}'s default"
+    return transformers_version < NON_REENTRANT_DEFAULT, f"transformers {version}'s default"
 
 
 def check_recipe(recipe: Recipe, *, lora: Any, quant: Any, precision: Any,
