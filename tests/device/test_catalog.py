@@ -653,6 +653,8 @@ def _quoted_total_mib(source: str) -> int:
     for exact in (r"MBytes \((\d+) bytes\)", r"device_memory_size: (\d+)"):
         if found := re.search(exact, quote):
             return int(found.group(1)) // 2**20
+    if found := re.search(r"Size: (\d+)\(0x[0-9a-f]+\) KB", quote):  # rocminfo's pool, KiB
+        return int(found.group(1)) // 1024
     for whole in (r"total_memory=(\d+)MB", r"(\d+) MiB Total", r"(\d+) MB\b"):
         if found := re.search(whole, quote):
             return int(found.group(1))
@@ -668,7 +670,7 @@ def test_every_cuda_total_matches_the_figure_its_source_quotes():
         "t4", "a100-40gb", "a100-pcie-80gb", "a10", "l40", "h100-sxm", "h200", "b200",
         "a100-80gb", "a100-pcie-40gb", "a30", "a40", "l4", "l40s", "h100-pcie", "h100-nvl",
         "h20", "gh200", "gb200", "mi300x", "rtx-a6000", "rtx-6000-ada", "rtx-4000-ada",
-        "rtx-4060-ti-16gb"}
+        "rtx-4060-ti-16gb", "a800-80gb", "mi210", "mi250", "mi250x"}
     for gpu in with_total:
         url, _, quote = gpu.cuda_total_source.partition(" | ")
         assert urlparse(url).scheme == "https" and quote, gpu.key
@@ -696,6 +698,22 @@ def test_quoted_figures_convert_as_the_catalog_says():
     assert _quoted_total_mib("u | Global Memory: 23805 MiB Free / 24060 MiB Total") == 24_060
     # XLA's device_memory_size is cuDeviceTotalMem in bytes: 84,942,979,072 B = 81,007.94 MiB
     assert _quoted_total_mib("u | device_memory_size: 84942979072") == 81_007
+    # rocminfo's pool in KiB: 67,092,480 KiB = 65,520 MiB exactly (64 GiB less 16 MiB)
+    assert _quoted_total_mib("u | Segment: GLOBAL; Size: 67092480(0x3ffc000) KB") == 65_520
+
+
+def test_rocminfo_pool_size_is_what_torch_reports_as_the_total():
+    # One card, two public reports: rocminfo's MI300X pool (ROCm/rocm-examples#187, "Size:
+    # 201310208(0xbffc000) KB") and torch's total_memory=196592MB (ROCm/ROCm#4203, the row's
+    # source): 201,310,208 / 1024 = 196,592 exactly; so rocminfo's pool stands for the
+    # total on the MI200 rows
+    assert _quoted_total_mib("u | Size: 201310208(0xbffc000) KB") == 196_592
+    assert find_gpu("MI300X").cuda_total_bytes == 196_592 * 2**20
+    for name in ("MI210", "MI250", "MI250X"):
+        assert find_gpu(name).cuda_total_bytes == 65_520 * 2**20, name
+    # the A800: two reports of its OOM message agree (PB-LLM#3, MoonshotAI/Kimi-VL#51):
+    # 79.33 GiB x 1024 = 81,233.92 MiB, rounded down; above the A100 80GB SXM row's 79.25
+    assert find_gpu("A800").cuda_total_bytes == 81_233 * 2**20
 
 
 def test_a_t4_reports_what_torch_printed_on_one():

@@ -40,7 +40,9 @@ Conventions of the table:
   the largest figure its reports show, so no driver keeps less than the row assumes. A
   report in bytes (deviceQuery's ``totalGlobalMem``, XLA's captured ``device_memory_size``)
   is exact; torch's ``total_memory=...MB`` and nvbench's "MiB Total" are whole MiB rounded
-  down; a two-decimal GiB is +-5 MiB. ROCm reports ``hipMemGetInfo``'s total the same way.
+  down; a two-decimal GiB is +-5 MiB. ROCm reports ``hipMemGetInfo``'s total the same way,
+  and ``rocminfo`` prints it in KiB as the GPU agent's global pool size (an MI300X's pool of
+  201,310,208 KB is the 196,592 MiB torch prints on one), exact to the KiB.
   GDDR6 datacenter cards (T4, A10, L4, A40, L40S) hold their ECC-on figure, as they ship:
   ECC keeps 1/16 of the memory for check bits; workstation cards hold the ECC-off figure
   their reports show. A row without one (no public report found) uses ``memory_bytes``, as
