@@ -250,3 +250,89 @@ def test_plan_precision_follows_a_16_bit_checkpoint_and_the_card():
     assert plan_precision(None, None, Precision.AMP_BF16, h100) == (Precision.AMP_BF16, "config")
     # given: it stands
     assert plan_precision("fp32", "bfloat16", Precision.FP32, h100) == (Precision.FP32, "given")
+
+
+def test_a_replica_floor_counts_weights_gradients_and_the_optimizer_state():
+    # nn.Linear(1000, 10): 10,000 + 10 parameters. In fp32 with AdamW a replica holds the
+    # weights, their gradients and two state tensors of each (adam.py's exp_avg and
+    # exp_avg_sq): 4 x 10,010 x 4 B.
+    from batchfit.engine.spec import TrainConfig
+    from batchfit.speed.plan import replica_floor_bytes
+
+    layer = torch.nn.Linear(1000, 10)
+    assert replica_floor_bytes(layer, TrainConfig(optimizer="adamw")) == 4 * 10_010 * 4
+    # amsgrad's max_exp_avg_sq is a third state
+    assert replica_floor_bytes(layer, TrainConfig(optimizer="adamw",
+                                                  optimizer_kwargs={"amsgrad": True})) \
+        == 5 * 10_010 * 4
+    # bf16 holds the weights (so gradients and states) in 2 bytes; amp keeps fp32 weights
+    assert replica_floor_bytes(layer, TrainConfig(optimizer="adamw", precision="bf16")) \
+        == 4 * 10_010 * 2
+    assert replica_floor_bytes(layer, TrainConfig(optimizer="adamw", precision="amp-bf16")) \
+        == 4 * 10_010 * 4
+    # plain SGD keeps no state; with momentum one buffer (sgd.py's momentum_buffer)
+    assert replica_floor_bytes(layer, TrainConfig(optimizer="sgd")) == 2 * 10_010 * 4
+    assert replica_floor_bytes(layer, TrainConfig(optimizer="momentum")) == 3 * 10_010 * 4
+    # a frozen weight is held but has no gradient and no state: 40,000 B + the bias's 4 x 40
+    layer.weight.requires_grad_(False)
+    assert replica_floor_bytes(layer, TrainConfig(optimizer="adamw")) == 40_000 + 4 * 40
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-fp16", "bf16"])
+def test_a_replica_floor_is_below_the_traced_replica(precision):
+    # The floor is a lower bound of what the trace of the same DDP step holds at its peak
+    # (the trace adds activations, DDP's buckets, temporaries).
+    from batchfit.answers.ranks import estimate_ranks
+    from batchfit.device.catalog import find_gpu
+    from batchfit.device.profile import gpu_profile
+    from batchfit.engine.spec import TrainConfig
+    from batchfit.sharding.layout import Parallelism
+    from batchfit.speed.plan import replica_floor_bytes
+
+    def mlp() -> torch.nn.Module:
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+
+    config = TrainConfig(optimizer="adamw", precision=precision)
+    traced = estimate_ranks(mlp, (64, 1024), 1, config, device=gpu_profile(find_gpu("A100")),
+                            parallel=Parallelism(world_size=2, strategy="ddp", rank=0),
+                            first_step=False).total_bytes
+    floor = replica_floor_bytes(mlp(), config)
+    assert floor == 4 * (1024 * 1024 + 1024) * (4 if precision != "bf16" else 2) * 4
+    assert floor <= traced
+
+
+def test_a_replicated_layout_over_the_card_is_answered_without_a_trace(monkeypatch):
+    # 64 layers of 8192 x 8192 (+ bias): 4,295,491,584 parameters; with AdamW in amp every
+    # DDP rank holds 16 B of each, 64.0 GiB, over a T4: no trace is needed to say so.
+    from batchfit.answers import ranks
+    from batchfit.engine.spec import TrainConfig
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("traced a layout its floor rules out")
+
+    monkeypatch.setattr(ranks, "estimate_ranks", no_trace)
+
+    def big() -> torch.nn.Module:
+        return torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(64)])
+
+    result = plan(big, (16, 8192), TrainConfig(optimizer="adamw", precision="amp-fp16"),
+                  gpus="2xT4", global_batch=8, strategies=["ddp"], offload="none")
+    (row,) = result.rows
+    floor = 64 * (8192 * 8192 + 8192) * 16
+    assert not row.feasible and row.checkpointing  # both variants ruled out, the last shown
+    assert row.reason == (f"its weights, gradients and optimizer state alone need "
+                          f"{floor / 2**30:.1f} GiB on every GPU, over the 16.0 GiB card")
+
+
+def test_a_round_traces_the_longest_first():
+    # ZeRO-3 (DeepSpeed partitions and gathers every parameter) before ZeRO-1/2 before
+    # torch's own layouts; within one, checkpointing's recomputation first
+    from batchfit.sharding.layout import Strategy
+    from batchfit.speed.plan import _trace_length_rank
+
+    keys = [(Strategy(name), 1, None, ckpt) for name in ("ddp", "fsdp", "zero2", "zero3",
+                                                         "zero1") for ckpt in (False, True)]
+    order = [(key[0].value, key[3]) for key in sorted(keys, key=_trace_length_rank)]
+    assert order == [("zero3", True), ("zero3", False), ("zero2", True), ("zero1", True),
+                     ("zero2", False), ("zero1", False), ("ddp", True), ("fsdp", True),
+                     ("ddp", False), ("fsdp", False)]

@@ -126,6 +126,8 @@ class _Model:
     layers: int | None
     hidden: int | None
     tokens_per_sample: int
+    #: what a whole replica holds at any micro-batch (:func:`replica_floor_bytes`), or None
+    replica_floor: int | None = None
 
 
 def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: str,
@@ -188,9 +190,13 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
     rows = []
     with _Needs(model, inputs, gpu_profile(card), requests, config) as needs:
         # one model built on meta for the facts, the memory traces and the roofline's
-        facts = _model_facts(model, inputs, needs.meta_model)
+        facts = _model_facts(model, inputs, needs.meta_model, config)
         speed = _Speed(model, inputs, card, needs.meta_model)
-        needs.first_rounds(searches, on_layout)
+        # a replicated layout whose weights, gradients and optimizer state alone exceed
+        # the card is answered without a trace (_evaluate)
+        needs.first_rounds([variants for variants in searches
+                            if _floor_over(variants[0][0], facts, needs.device) is None],
+                           on_layout)
         for strategy, tp, layout in layouts:
             if isinstance(layout, str):
                 rows.append(LayoutPlan(strategy, tp, "none", False, False, layout))
@@ -310,6 +316,11 @@ def _evaluate(needs: _Needs, config: TrainConfig, card: Any, layout: Any, global
         return replace(base, reason=f"the global batch {global_batch} does not divide over "
                                     f"{replicas} data-parallel ranks")
     per_replica = global_batch // replicas
+    floor = _floor_over(layout, facts, needs.device)
+    if floor is not None:
+        return replace(base, reason=f"its weights, gradients and optimizer state alone need "
+                                    f"{floor / 2**30:.1f} GiB on every GPU, over the "
+                                    f"{card.memory_bytes / 2**30:.1f} GiB card")
     try:
         micro, memory = needs.largest_divisor_that_fits(layout, config, per_replica)
     except BatchfitError as exc:
@@ -427,6 +438,9 @@ class _Needs:
     def _trace_at_one(self, variants: list[tuple[Any, TrainConfig]]) -> None:
         keys = [key for key in dict.fromkeys(_variant_key(*v) for v in variants)
                 if 1 not in self.sizes.get(key, {}) and (key, 1) not in self.failures]
+        # the longest traces first: the pool pairs them in order, so like pairs with like
+        # and an odd one out is a short one (the answers do not depend on the order)
+        keys.sort(key=_trace_length_rank)
         traced = self.pool.map([self._ids[key, 1] for key in keys])
         for key in keys:
             self._record(key, {1: traced[self._ids[key, 1]]})
@@ -474,6 +488,17 @@ class _Needs:
 
 def _variant_key(layout: Any, config: TrainConfig) -> tuple[Any, ...]:
     return (layout.strategy, layout.tp, layout.offload, config.checkpointing)
+
+
+#: Which strategies' traces run longest, for the order of a round: DeepSpeed's ZeRO-3
+#: partitions every parameter and gathers it for each use, ZeRO-1/2 run DeepSpeed's
+#: engine over flat buffers; FSDP2, DDP and TP trace torch's own modules.
+_TRACE_LENGTH = {"zero3": 0, "zero2": 1, "zero1": 1}
+
+
+def _trace_length_rank(key: tuple[Any, ...]) -> tuple[int, bool]:
+    """Sort key, longest trace first: by strategy, then checkpointing's recomputation."""
+    return _TRACE_LENGTH.get(key[0].value, len(_TRACE_LENGTH)), not key[3]
 
 
 def _slope(sizes: dict[int, int], answer: int | None) -> float | None:
@@ -685,9 +710,62 @@ class _Speed:
         return reuse
 
 
-def _model_facts(model: Any, inputs: Any, meta: Any = None) -> _Model:
-    """Parameters, layers, hidden size and tokens per sample, from the model built on meta
-    (``meta``, or built here when None)."""
+def _floor_over(layout: Any, facts: _Model, device: Any) -> int | None:
+    """The replica floor of ``layout`` where it exceeds the device, else None: DDP (every
+    rank holds the whole module, ``DistributedDataParallel``'s design) without tensor
+    parallelism or offload."""
+    from batchfit.sharding.layout import Offload, Strategy
+
+    if (facts.replica_floor is None or layout.strategy is not Strategy.DDP or layout.tp > 1
+            or layout.offload is not Offload.NONE):
+        return None
+    return facts.replica_floor if facts.replica_floor > device.total_memory_bytes else None
+
+
+def replica_floor_bytes(model: Any, config: TrainConfig) -> int | None:
+    """Bytes one whole replica of ``model`` holds at its optimizer step whatever the
+    micro-batch: every parameter, a gradient of each trainable one, and the optimizer's
+    per-parameter state tensors; a lower bound of any trace of the step (None where the
+    step's weights are not the module's own: an LLM workload, which quantizes and adapts).
+
+    Each is the parameter's shape and dtype: autograd's ``AccumulateGrad`` stores a
+    gradient like its variable (torch/csrc/autograd/functions/accumulate_grad.h), and the
+    states are ``torch.zeros_like(p)``/``torch.clone(grad)``/``torch.full_like(p)`` of
+    torch.optim: Adam and AdamW's ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq``
+    with ``amsgrad``) in adam.py's ``_init_group``; SGD's ``momentum_buffer`` where
+    ``momentum`` is not 0 (sgd.py); Adagrad's ``sum`` (adagrad.py); RMSprop's
+    ``square_avg``, ``momentum_buffer`` with momentum and ``grad_avg`` when centered
+    (rmsprop.py). Other optimizers count no state (the bound stays a bound). A floating
+    weight's dtype is the smaller of the module's and the precision's weight dtype (a
+    16-bit precision casts the weights, the others keep the module's).
+    """
+    from torch import nn
+
+    from batchfit.engine.spec import OptimizerName
+    from batchfit.engine.step import _OPTIMIZERS, torch_dtype
+
+    if config.workload is not None or not isinstance(model, nn.Module):
+        return None
+    weight = torch_dtype(config.precision.weight_dtype).itemsize
+    states = 0
+    if isinstance(config.optimizer, OptimizerName) and config.optimizer in _OPTIMIZERS:
+        kwargs = {**_OPTIMIZERS[config.optimizer][1], **config.optimizer_kwargs}
+        states = {
+            "Adam": 2 + bool(kwargs.get("amsgrad")), "AdamW": 2 + bool(kwargs.get("amsgrad")),
+            "SGD": int(bool(kwargs.get("momentum"))), "Adagrad": 1,
+            "RMSprop": 1 + bool(kwargs.get("momentum")) + bool(kwargs.get("centered")),
+        }.get(_OPTIMIZERS[config.optimizer][0], 0)
+    total = 0
+    for p in model.parameters():
+        size = min(p.element_size(), weight) if p.is_floating_point() else p.element_size()
+        total += p.numel() * size * (1 + (1 + states) * p.requires_grad)
+    return total
+
+
+def _model_facts(model: Any, inputs: Any, meta: Any = None,
+                 config: TrainConfig | None = None) -> _Model:
+    """Parameters, layers, hidden size, tokens per sample and (given ``config``) the
+    replica floor, from the model built on meta (``meta``, or built here when None)."""
     from batchfit.engine.fake import build_on_meta
     from batchfit.engine.spec import TensorSpec
     from batchfit.engine.step import normalize_input_spec
@@ -702,4 +780,5 @@ def _model_facts(model: Any, inputs: Any, meta: Any = None) -> _Model:
     first = spec if isinstance(spec, TensorSpec) else (
         next(iter(spec.values())) if isinstance(spec, dict) else spec[0])
     tokens = first.shape[0] if first.shape else 1
-    return _Model(parameters, layers, hidden, tokens)
+    floor = replica_floor_bytes(built, config) if config is not None else None
+    return _Model(parameters, layers, hidden, tokens, floor)
