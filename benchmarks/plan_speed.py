@@ -11,7 +11,8 @@ Usage: nice python benchmarks/plan_speed.py [--runs 3] [--old-src DIR] [--case s
 
 ``--old-src DIR``: also time an older checkout's ``src`` (e.g. ``git archive OLD src | tar -x
 -C /tmp/old``, then ``--old-src /tmp/old/src``), alternating with this one in each round, and
-check that both give the same plan. ``--case small``: GPT-2 (124M) at 256 tokens instead.
+check that both give the same plan (``differences``: the layout rows whose fields differ).
+``--case small``: GPT-2 (124M) at 256 tokens instead.
 Writes benchmarks/results/plan_speed[_small].json (every run's wall and CPU seconds, their
 medians and the load average before and after each run) and prints a summary.
 """
@@ -59,6 +60,20 @@ def run_plan(arguments: list[str], src: Path) -> dict:
             "load_after": round(os.getloadavg()[0], 2), "answer": json.loads(proc.stdout)}
 
 
+def _differences(old: dict | None, new: dict) -> list[dict]:
+    """Each layout row whose fields differ between the old and the new plan: the fields,
+    (old, new)."""
+    if old is None:
+        return []
+    found = []
+    for a, b in zip(old["layouts"], new["layouts"]):
+        fields = {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+        if fields:
+            found.append({"strategy": a["strategy"], "checkpointing": a["checkpointing"],
+                          "fields": fields})
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
@@ -79,6 +94,7 @@ def main() -> None:
     cpu = {name: statistics.median(r["cpu_s"] for r in rs) for name, rs in runs.items()}
     out = {"argv": argv, "target_s": TARGET_S, "medians_s": medians, "medians_cpu_s": cpu,
            "same_answer": len({json.dumps(a, sort_keys=True) for a in answers.values()}) == 1,
+           "differences": _differences(answers.get("old"), answers["new"]),
            "runs": {name: [{k: v for k, v in r.items() if k != "answer"} for r in rs]
                     for name, rs in runs.items()}, "answer": answers["new"]}
     RESULTS.mkdir(exist_ok=True)

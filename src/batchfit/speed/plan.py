@@ -737,7 +737,9 @@ def replica_floor_bytes(model: Any, config: TrainConfig) -> int | None:
     ``square_avg``, ``momentum_buffer`` with momentum and ``grad_avg`` when centered
     (rmsprop.py). Other optimizers count no state (the bound stays a bound). A floating
     weight's dtype is the smaller of the module's and the precision's weight dtype (a
-    16-bit precision casts the weights, the others keep the module's).
+    16-bit precision casts the weights, the others keep the module's). Under DDP every
+    trainable parameter gets its gradient: its reducer fails the step when one does not
+    (unless ``find_unused_parameters``), and its buckets hold a gradient-sized copy of each.
     """
     from torch import nn
 
