@@ -30,7 +30,11 @@ original_map, original_pair = tracepool.TracePool.map, tracepool.TracePool._pair
 
 
 def named(pool, request):
-    layout, config, micro = pool._trace.__self__.requests[request]
+    needs = pool._trace.__self__
+    if request >= len(needs.requests):  # a roofline micro-step, numbered after the ranks
+        config, micro = needs.rooflines[request - len(needs.requests)]
+        return ["roofline", config.checkpointing, micro]
+    layout, config, micro = needs.requests[request]
     return [layout.strategy.value, config.checkpointing, micro]
 
 
@@ -83,7 +87,9 @@ def test_the_first_round_pairs_layouts_and_traces_nothing_ahead_of_need():
     assert in_pairs["maps"][1] == [["ddp", True, 1]]
     assert _traced(in_pairs) == _traced(in_sequence) == sorted([
         ("ddp", False, 1), ("ddp", True, 1), ("fsdp", False, 1), ("fsdp", False, 2),
-        ("fsdp-grad-op", False, 1), ("fsdp-grad-op", False, 2)])
+        ("fsdp-grad-op", False, 1), ("fsdp-grad-op", False, 2), ("roofline", False, 2)])
+    # the roofline of the micro-step both rows use, once, after every layout's search
+    assert in_pairs["maps"][-1] == in_sequence["maps"][-1] == [["roofline", False, 2]]
     ddp = next(row for row in in_pairs["rows"] if row["strategy"] == "ddp")
     assert not ddp["feasible"] and ddp["checkpointing"]
     assert [row["micro_batch_size"] for row in in_pairs["rows"] if row["feasible"]] == [2, 2]

@@ -191,7 +191,7 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
     with _Needs(model, inputs, gpu_profile(card), requests, config) as needs:
         # one model built on meta for the facts, the memory traces and the roofline's
         facts = _model_facts(model, inputs, needs.meta_model, config)
-        speed = _Speed(model, inputs, card, needs.meta_model)
+        needs.speed = speed = _Speed(model, inputs, card, needs.meta_model)  # before the fork
         # a replicated layout whose weights, gradients and optimizer state alone exceed
         # the card is answered without a trace (_evaluate)
         needs.first_rounds([variants for variants in searches
@@ -201,8 +201,16 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
             if isinstance(layout, str):
                 rows.append(LayoutPlan(strategy, tp, "none", False, False, layout))
                 continue
-            rows.append(_best_variant(needs, config, card, layout, global_batch, facts, speed,
+            rows.append(_best_variant(needs, config, card, layout, global_batch, facts,
                                       network, checkpointing, offload, on_layout))
+        # the roofline of each micro-step the rows use, in pairs, then each row's seconds
+        wanted = [(replace(config, checkpointing=row.checkpointing), row.micro_batch_size)
+                  for row in rows if row.feasible]
+        if wanted and on_layout is not None:
+            on_layout("the roofline of the micro-steps")
+        needs.micro_steps(wanted)
+        rows = [_timed(row, replace(config, checkpointing=row.checkpointing), speed,
+                       global_batch) for row in rows]
     rows.sort(key=lambda r: (not r.feasible, r.step_s if r.feasible else 0.0))
     return PlanResult(card.name, count, nodes, global_batch, tuple(rows), chosen.value, source)
 
@@ -289,7 +297,7 @@ def _variants(layout: Any, checkpointing: str, offload: str) -> list[tuple[bool,
 
 
 def _best_variant(needs: _Needs, config: TrainConfig, card: Any, layout: Any,
-                  global_batch: int, facts: _Model, speed: _Speed, network: float,
+                  global_batch: int, facts: _Model, network: float,
                   checkpointing: str, offload: str,
                   on_layout: Callable[[str], None] | None) -> LayoutPlan:
     """The first variant (least checkpointing and offload) that fits, else why none does."""
@@ -301,14 +309,16 @@ def _best_variant(needs: _Needs, config: TrainConfig, card: Any, layout: Any,
         if on_layout is not None:
             on_layout(label)
         last = _evaluate(needs, replace(config, checkpointing=ckpt), card, variant,
-                         global_batch, facts, speed, network)
+                         global_batch, facts, network)
         if last.feasible:
             return last
     return last
 
 
 def _evaluate(needs: _Needs, config: TrainConfig, card: Any, layout: Any, global_batch: int,
-              facts: _Model, speed: _Speed, network: float) -> LayoutPlan:
+              facts: _Model, network: float) -> LayoutPlan:
+    """The layout variant's micro-batch, memory and communication (its compute comes from
+    the roofline once every layout is evaluated: :func:`_timed`)."""
     base = LayoutPlan(layout.strategy.value, layout.tp, layout.offload.value,
                       config.checkpointing, False)
     replicas = layout.data_parallel_size
@@ -329,15 +339,23 @@ def _evaluate(needs: _Needs, config: TrainConfig, card: Any, layout: Any, global
         return replace(base, reason=f"a micro-batch of 1 needs {memory / 2**30:.1f} GiB per "
                                     f"GPU, over the {card.memory_bytes / 2**30:.1f} GiB card")
     accumulation = per_replica // micro
-    compute = speed.micro_step_s(config, micro) / layout.tp * accumulation
     volume, pcie_volume = communication_bytes(layout, facts, config.precision, micro,
                                               accumulation)
     seconds = volume / _bandwidth(layout, card, network) + pcie_volume / _pcie(card)
-    step = compute + seconds
     return replace(base, feasible=True, micro_batch_size=micro, accumulation_steps=accumulation,
-                   memory_per_gpu_bytes=memory,
-                   compute_s=compute, communication_s=seconds, step_s=step,
-                   samples_per_s=global_batch / step, communication_bytes=int(volume + pcie_volume))
+                   memory_per_gpu_bytes=memory, communication_s=seconds,
+                   communication_bytes=int(volume + pcie_volume))
+
+
+def _timed(row: LayoutPlan, config: TrainConfig, speed: _Speed,
+           global_batch: int) -> LayoutPlan:
+    """A feasible row with its compute (the roofline's micro-step, split over the
+    tensor-parallel degree, once per micro-step) and its step time."""
+    if not row.feasible:
+        return row
+    compute = speed.micro_step_s(config, row.micro_batch_size) / row.tp * row.accumulation_steps
+    step = compute + row.communication_s
+    return replace(row, compute_s=compute, step_s=step, samples_per_s=global_batch / step)
 
 
 class _Needs:
@@ -369,6 +387,10 @@ class _Needs:
         self.requests = requests
         self._ids = {(_variant_key(layout, config), micro): n
                      for n, (layout, config, micro) in enumerate(requests)}
+        # the roofline micro-steps a row can use, numbered after the rank traces
+        self.rooflines = list({(config.checkpointing, micro): (config, micro)
+                               for _, config, micro in requests}.values())
+        self.speed: _Speed | None = None
         self._meta = TraceReuse()
         if config.workload is None:
             self._meta.build_model(model)  # before the fork: the worker inherits it
@@ -391,10 +413,13 @@ class _Needs:
     def __exit__(self, *exc: object) -> None:
         self.pool.close()
 
-    def _trace(self, request: int) -> int | BatchfitError:
+    def _trace(self, request: int) -> int | float | BatchfitError:
         from batchfit.answers.ranks import estimate_ranks
         from batchfit.engine.trace import TraceReuse
 
+        if request >= len(self.requests):  # a roofline micro-step: its seconds
+            assert self.speed is not None
+            return self.speed.micro_step_s(*self.rooflines[request - len(self.requests)])
         layout, config, micro = self.requests[request]
         key = _variant_key(layout, config)
         if key not in self._reuse:
@@ -407,6 +432,18 @@ class _Needs:
                                   reuse=self._reuse[key]).total_bytes
         except BatchfitError as exc:  # the variant's answer, if the search asks for it
             return exc
+
+    def micro_steps(self, wanted: list[tuple[TrainConfig, int]]) -> None:
+        """The roofline's micro-step at each (config, micro-batch) ``wanted``, traced two at
+        a time where the pool runs pairs, kept by :attr:`speed`."""
+        assert self.speed is not None
+        keys = [key for key in dict.fromkeys((c.checkpointing, m) for c, m in wanted)
+                if key not in self.speed.seconds]
+        ids = {key: len(self.requests) + n for n, (config, micro) in enumerate(self.rooflines)
+               if (key := (config.checkpointing, micro)) in keys}
+        traced = self.pool.map([ids[key] for key in keys])
+        for key in keys:
+            self.speed.seconds[key] = traced[ids[key]]
 
     def _record(self, key: tuple[Any, ...], traced: Mapping[int, int | BatchfitError]) -> None:
         """Keep what the traces of ``key``'s micro-batches gave: bytes, or the error that
@@ -680,7 +717,7 @@ class _Speed:
 
     def __init__(self, model: Any, inputs: Any, card: Any, meta: Any = None) -> None:
         self.model, self.inputs, self.card, self.meta = model, inputs, card, meta
-        self._seconds: dict[tuple[bool, int], float] = {}
+        self.seconds: dict[tuple[bool, int], float] = {}  # (checkpointing, micro-batch)
 
     def micro_step_s(self, config: TrainConfig, batch_size: int) -> float:
         from batchfit.device.profile import gpu_profile
@@ -688,13 +725,13 @@ class _Speed:
         from batchfit.speed.rates import gpu_roofline_profile
 
         key = (config.checkpointing, batch_size)
-        if key not in self._seconds:
+        if key not in self.seconds:
             _, ops = trace_step_and_costs(self.model, self.inputs, batch_size, config,
                                           gpu_profile(self.card), self._reuse())
             roofline = gpu_roofline_profile(self.card, config.precision)
-            self._seconds[key] = step_times(constant_costs(ops, batch_size), roofline,
-                                            [batch_size])[0].step_s
-        return self._seconds[key]
+            self.seconds[key] = step_times(constant_costs(ops, batch_size), roofline,
+                                           [batch_size])[0].step_s
+        return self.seconds[key]
 
     def _reuse(self) -> Any:
         """A fresh :class:`~batchfit.engine.trace.TraceReuse` holding the plan's model built
