@@ -670,7 +670,7 @@ def test_every_cuda_total_matches_the_figure_its_source_quotes():
         "t4", "a100-40gb", "a100-pcie-80gb", "a10", "l40", "h100-sxm", "h200", "b200",
         "a100-80gb", "a100-pcie-40gb", "a30", "a40", "l4", "l40s", "h100-pcie", "h100-nvl",
         "h20", "gh200", "gb200", "mi300x", "rtx-a6000", "rtx-6000-ada", "rtx-4000-ada",
-        "rtx-4060-ti-16gb", "a800-80gb", "mi210", "mi250", "mi250x"}
+        "rtx-4060-ti-16gb", "a800-80gb", "mi210", "mi250", "mi250x", "l20"}
     for gpu in with_total:
         url, _, quote = gpu.cuda_total_source.partition(" | ")
         assert urlparse(url).scheme == "https" and quote, gpu.key
@@ -714,6 +714,14 @@ def test_rocminfo_pool_size_is_what_torch_reports_as_the_total():
     # the A800: two reports of its OOM message agree (PB-LLM#3, MoonshotAI/Kimi-VL#51):
     # 79.33 GiB x 1024 = 81,233.92 MiB, rounded down; above the A100 80GB SXM row's 79.25
     assert find_gpu("A800").cuda_total_bytes == 81_233 * 2**20
+
+
+def test_the_l20_reports_what_its_ecc_on_ada_siblings_do():
+    # Tencent-Hunyuan/HunyuanCustom#36, on 8 L20s: "a total capacity of 44.53 GiB", 45,598
+    # MiB; the L40S (the same 48 GB GDDR6 AD102 board class, ECC on) reports 44.52 GiB
+    l20, l40s = find_gpu("L20"), find_gpu("L40S")
+    assert l20.cuda_total_bytes == 45_598 * 2**20
+    assert abs(l20.cuda_total_bytes - l40s.cuda_total_bytes) <= 10 * 2**20
 
 
 def test_a_t4_reports_what_torch_printed_on_one():
