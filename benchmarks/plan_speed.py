@@ -12,7 +12,9 @@ Usage: nice python benchmarks/plan_speed.py [--runs 3] [--old-src DIR] [--case s
 ``--old-src DIR``: also time an older checkout's ``src`` (e.g. ``git archive OLD src | tar -x
 -C /tmp/old``, then ``--old-src /tmp/old/src``), alternating with this one in each round, and
 check that both give the same plan (``differences``: the layout rows whose fields differ).
-``--case small``: GPT-2 (124M) at 256 tokens instead.
+``--case small``: GPT-2 (124M) at 256 tokens instead. ``--ops``: instead of timing, count the
+torch ops the plan's traces dispatch, in one process, for each source (a measure of the
+plan's work that the machine's load does not move): benchmarks/results/plan_speed_8b_ops.json.
 Writes benchmarks/results/plan_speed[_small].json (every run's wall and CPU seconds, their
 medians and the load average before and after each run) and prints a summary.
 """
@@ -60,6 +62,31 @@ def run_plan(arguments: list[str], src: Path) -> dict:
             "load_after": round(os.getloadavg()[0], 2), "answer": json.loads(proc.stdout)}
 
 
+_COUNTING = """
+import atexit, os, sys
+from batchfit.engine import _torch_internals as ti
+counted = [0]
+dispatch = ti.OpInterceptor.__torch_dispatch__
+def counting(self, func, types, args=(), kwargs=None):
+    counted[0] += 1
+    return dispatch(self, func, types, args, kwargs)
+ti.OpInterceptor.__torch_dispatch__ = counting
+atexit.register(lambda: os.write(2, f"\\nOPS_TRACED {counted[0]}\\n".encode()))
+"""
+
+
+def count_ops(arguments: list[str], src: Path) -> int:
+    """The torch ops every trace of one plan dispatched (batchfit's interceptor sees each),
+    traced in one process (``BATCHFIT_PARALLEL_TRACES=0``): the plan's work as a count,
+    which no load on the machine moves."""
+    code = (_COUNTING + "from batchfit.cli import main; sys.argv = ['batchfit'] + sys.argv[1:]\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": str(src), "BATCHFIT_PARALLEL_TRACES": "0"}
+    proc = subprocess.run([sys.executable, "-c", code, *arguments, "--json"], env=env,
+                          capture_output=True, text=True, check=True)
+    return int(proc.stderr.rsplit("OPS_TRACED ", 1)[1].split()[0])
+
+
 def _differences(old: dict | None, new: dict) -> list[dict]:
     """Each layout row whose fields differ between the old and the new plan: the fields,
     (old, new)."""
@@ -79,11 +106,20 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--old-src", type=Path, default=None)
     parser.add_argument("--case", choices=sorted(CASES), default="8b")
+    parser.add_argument("--ops", action="store_true",
+                        help="count the ops the plan traces instead of timing it")
     args = parser.parse_args()
     argv = CASES[args.case]
     sources = {"new": SRC, **({"old": args.old_src} if args.old_src else {})}
     for src in sources.values():
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(src)], check=True)
+    if args.ops:
+        ops = {name: count_ops(argv, src) for name, src in sources.items()}
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"plan_speed_{args.case}_ops.json").write_text(json.dumps(
+            {"argv": argv, "ops_traced": ops}, indent=2) + "\n")
+        print(f"plan {args.case}: ops traced {ops}")
+        return
     runs: dict[str, list[dict]] = {name: [] for name in sources}
     for _ in range(args.runs):
         for name, src in sources.items():
