@@ -152,14 +152,14 @@ def test_bf16_asked_of_a_card_without_it_is_refused():
 def test_a_card_without_a_cuda_total_is_said_to_use_its_marketed_memory():
     kwargs = {"max_model_len": 2048, "max_num_batched_tokens": 256, "max_num_seqs": 16,
               "model_kwargs": {"num_hidden_layers": 2}, "non_torch_bytes": GiB // 4}
-    l20 = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="L20", **kwargs)  # no public total
-    assert l20.device.total_memory_bytes == 48 * GiB
-    assert any("marketed 48.00 GiB" in n and "torch.cuda.mem_get_info()[1]" in n
-               for n in l20.notes)
+    h800 = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="H800", **kwargs)  # no public total
+    assert h800.device.total_memory_bytes == 80 * GiB
+    assert any("marketed 80.00 GiB" in n and "torch.cuda.mem_get_info()[1]" in n
+               for n in h800.notes)
     t4 = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="T4", **kwargs)  # 15,109 MiB reported
     assert t4.device.total_memory_bytes == 15_109 * 2**20
     assert not any("marketed" in n for n in t4.notes)
-    given = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="L20", total_memory_bytes=44 * GiB,
+    given = serve_capacity("hf:Qwen/Qwen2.5-0.5B", device="H800", total_memory_bytes=44 * GiB,
                            **kwargs)
     assert given.notes == ()
 

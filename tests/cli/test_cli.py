@@ -236,10 +236,10 @@ def test_gpu_with_memory_is_that_card_with_that_memory(factory_file):
 
 def test_gpu_with_its_own_memory_answers_as_the_catalog_card(factory_file):
     # a card the catalog has no CUDA total for, so its marketed memory is its memory
-    args = ("max", f"{factory_file}:with_spec", "--gpu", "L20", "--max-batch-limit", "10000000",
+    args = ("max", f"{factory_file}:with_spec", "--gpu", "H800", "--max-batch-limit", "10000000",
             "--json")
     plain = json.loads(invoke(*args).stdout)
-    given = json.loads(invoke(*args, "--memory", "48GiB").stdout)  # L20: 48 GB, read as GiB
+    given = json.loads(invoke(*args, "--memory", "80GiB").stdout)  # H800: 80 GB, read as GiB
     assert given == plain
 
 
