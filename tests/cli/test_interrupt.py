@@ -64,6 +64,16 @@ def interrupt(args: list[str], delay_s: float, *, group: bool) -> tuple[int, lis
     return proc.returncode, lines, left
 
 
+def test_the_handler_is_in_place_once_the_cli_package_is_imported():
+    # the entry point imports batchfit.cli (typer, rich, the commands) before main runs:
+    # a Ctrl-C during those imports must already get the one line and exit 130
+    code = ("import signal, batchfit.cli.interrupt as i, batchfit.cli\n"
+            "print(signal.getsignal(signal.SIGINT) is i._interrupted)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(SRC)}, check=True, timeout=120)
+    assert done.stdout.strip() == "True"
+
+
 @pytest.mark.parametrize("delay_s", [0.5, 2.0, 5.0])
 def test_ctrl_c_during_max(delay_s):
     # importing, building, tracing: a 7B model's traces take far longer than the last
