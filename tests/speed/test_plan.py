@@ -256,8 +256,8 @@ def test_a_replica_floor_counts_weights_gradients_and_the_optimizer_state():
     # nn.Linear(1000, 10): 10,000 + 10 parameters. In fp32 with AdamW a replica holds the
     # weights, their gradients and two state tensors of each (adam.py's exp_avg and
     # exp_avg_sq): 4 x 10,010 x 4 B.
+    from batchfit.answers.replica import replica_floor_bytes
     from batchfit.engine.spec import TrainConfig
-    from batchfit.speed.plan import replica_floor_bytes
 
     layer = torch.nn.Linear(1000, 10)
     assert replica_floor_bytes(layer, TrainConfig(optimizer="adamw")) == 4 * 10_010 * 4
@@ -283,11 +283,11 @@ def test_a_replica_floor_is_below_the_traced_replica(precision):
     # The floor is a lower bound of what the trace of the same DDP step holds at its peak
     # (the trace adds activations, DDP's buckets, temporaries).
     from batchfit.answers.ranks import estimate_ranks
+    from batchfit.answers.replica import replica_floor_bytes
     from batchfit.device.catalog import find_gpu
     from batchfit.device.profile import gpu_profile
     from batchfit.engine.spec import TrainConfig
     from batchfit.sharding.layout import Parallelism
-    from batchfit.speed.plan import replica_floor_bytes
 
     def mlp() -> torch.nn.Module:
         return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])

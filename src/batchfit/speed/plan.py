@@ -126,7 +126,8 @@ class _Model:
     layers: int | None
     hidden: int | None
     tokens_per_sample: int
-    #: what a whole replica holds at any micro-batch (:func:`replica_floor_bytes`), or None
+    #: what a whole replica holds at any micro-batch
+    #: (:func:`~batchfit.answers.replica.replica_floor_bytes`), or None
     replica_floor: int | None = None
 
 
@@ -759,48 +760,6 @@ def _floor_over(layout: Any, facts: _Model, device: Any) -> int | None:
     return facts.replica_floor if facts.replica_floor > device.total_memory_bytes else None
 
 
-def replica_floor_bytes(model: Any, config: TrainConfig) -> int | None:
-    """Bytes one whole replica of ``model`` holds at its optimizer step whatever the
-    micro-batch: every parameter, a gradient of each trainable one, and the optimizer's
-    per-parameter state tensors; a lower bound of any trace of the step (None where the
-    step's weights are not the module's own: an LLM workload, which quantizes and adapts).
-
-    Each is the parameter's shape and dtype: autograd's ``AccumulateGrad`` stores a
-    gradient like its variable (torch/csrc/autograd/functions/accumulate_grad.h), and the
-    states are ``torch.zeros_like(p)``/``torch.clone(grad)``/``torch.full_like(p)`` of
-    torch.optim: Adam and AdamW's ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq``
-    with ``amsgrad``) in adam.py's ``_init_group``; SGD's ``momentum_buffer`` where
-    ``momentum`` is not 0 (sgd.py); Adagrad's ``sum`` (adagrad.py); RMSprop's
-    ``square_avg``, ``momentum_buffer`` with momentum and ``grad_avg`` when centered
-    (rmsprop.py). Other optimizers count no state (the bound stays a bound). A floating
-    weight's dtype is the smaller of the module's and the precision's weight dtype (a
-    16-bit precision casts the weights, the others keep the module's). Under DDP every
-    trainable parameter gets its gradient: its reducer fails the step when one does not
-    (unless ``find_unused_parameters``), and its buckets hold a gradient-sized copy of each.
-    """
-    from torch import nn
-
-    from batchfit.engine.spec import OptimizerName
-    from batchfit.engine.step import _OPTIMIZERS, torch_dtype
-
-    if config.workload is not None or not isinstance(model, nn.Module):
-        return None
-    weight = torch_dtype(config.precision.weight_dtype).itemsize
-    states = 0
-    if isinstance(config.optimizer, OptimizerName) and config.optimizer in _OPTIMIZERS:
-        kwargs = {**_OPTIMIZERS[config.optimizer][1], **config.optimizer_kwargs}
-        states = {
-            "Adam": 2 + bool(kwargs.get("amsgrad")), "AdamW": 2 + bool(kwargs.get("amsgrad")),
-            "SGD": int(bool(kwargs.get("momentum"))), "Adagrad": 1,
-            "RMSprop": 1 + bool(kwargs.get("momentum")) + bool(kwargs.get("centered")),
-        }.get(_OPTIMIZERS[config.optimizer][0], 0)
-    total = 0
-    for p in model.parameters():
-        size = min(p.element_size(), weight) if p.is_floating_point() else p.element_size()
-        total += p.numel() * size * (1 + (1 + states) * p.requires_grad)
-    return total
-
-
 def _model_facts(model: Any, inputs: Any, meta: Any = None,
                  config: TrainConfig | None = None) -> _Model:
     """Parameters, layers, hidden size, tokens per sample and (given ``config``) the
@@ -819,5 +778,7 @@ def _model_facts(model: Any, inputs: Any, meta: Any = None,
     first = spec if isinstance(spec, TensorSpec) else (
         next(iter(spec.values())) if isinstance(spec, dict) else spec[0])
     tokens = first.shape[0] if first.shape else 1
+    from batchfit.answers.replica import replica_floor_bytes
+
     floor = replica_floor_bytes(built, config) if config is not None else None
     return _Model(parameters, layers, hidden, tokens, floor)
