@@ -30,6 +30,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from batchfit.errors import BatchfitError, DoesNotFitError, InvalidInputError
+from batchfit.integrations._jit_error import clear_jit_allocation_error
 from batchfit.realrun.boundary import Outcome, SearchPlan, search_boundary
 from batchfit.realrun.trial import (
     Trial,
@@ -175,7 +176,9 @@ def cpu_memory_cap(limit_bytes: int) -> Iterator[None]:
     counts as "does not fit". The whole process is capped while a trial runs, as
     ``batchfit search --memory-cap`` caps its trial processes; after a failure glibc may
     keep freed memory, which :func:`search_in_process` handles by re-running a failure that
-    follows another one."""
+    follows another one. oneDNN keeps a failed JIT allocation as an error that would fail
+    every new CPU kernel on this thread for good; it is cleared when the block ends
+    (:mod:`batchfit.integrations._jit_error`)."""
     import resource
 
     from batchfit.realrun.trial import vm_data_bytes
@@ -189,6 +192,7 @@ def cpu_memory_cap(limit_bytes: int) -> Iterator[None]:
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+        clear_jit_allocation_error()
 
 
 def _one_line(exc: BaseException, limit: int = 300) -> str:
