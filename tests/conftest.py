@@ -38,3 +38,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in listed or item.nodeid.split("[", 1)[0] in listed:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _no_onednn_jit_error_left():
+    """A test that leaves oneDNN's JIT allocation error set on this thread would fail every
+    later test that builds a new CPU kernel ("could not create a primitive"; see
+    :mod:`batchfit.integrations._jit_error`): fail that test instead, and clear the error."""
+    from batchfit.integrations._jit_error import clear_jit_allocation_error, jit_error
+
+    yield
+    left = jit_error()
+    if left:
+        clear_jit_allocation_error()
+        pytest.fail(f"the test left oneDNN's JIT error {left} set on the main thread (an "
+                    "allocation failed under an in-process memory cap and was not cleared)")

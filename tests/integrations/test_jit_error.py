@@ -12,10 +12,10 @@ import textwrap
 
 import pytest
 
-from batchfit.integrations._jit_error import ERR_CANT_ALLOC, jit_error
+from batchfit.integrations._jit_error import ERR_CANT_ALLOC, reachable
 
 pytestmark = pytest.mark.skipif(
-    jit_error() is None, reason="Xbyak's error is not reachable (not Linux x86-64 with oneDNN)")
+    not reachable(), reason="Xbyak's error is not reachable (not Linux x86-64 with oneDNN)")
 
 # A warmed-up convolution, then a convolution of a new shape (a new oneDNN primitive, so a
 # new JIT kernel) under RLIMIT_DATA = VmData + 64 KiB: less than one kernel's code buffer
@@ -69,3 +69,13 @@ def test_the_cpu_cap_leaves_no_jit_error_behind():
         assert jit_error() == 0
         assert not fails(5) and not fails(6)
         """)
+
+
+def test_no_symbol_means_nothing_to_clear(tmp_path):
+    from batchfit.integrations._jit_error import _SYMBOL, _tls_offset
+
+    junk = tmp_path / "libjunk.so"
+    junk.write_bytes(b"not an ELF file" * 100)
+    assert _tls_offset(str(junk), _SYMBOL) is None
+    # an ELF file without Xbyak in it (this interpreter's executable)
+    assert _tls_offset(sys.executable, _SYMBOL) is None

@@ -31,6 +31,7 @@ import os
 import platform
 import struct
 import sys
+from typing import Any
 
 _SYMBOL = b"_ZZN5Xbyak5local11GetErrorRefEvE3err"  # Xbyak::local::GetErrorRef()::err
 # Xbyak's error enum (xbyak.h): ERR_NONE = 0, ..., ERR_UNDER_LOCAL_LABEL = 21, ERR_CANT_ALLOC
@@ -57,21 +58,27 @@ def jit_error() -> int | None:
     return None if where is None else ctypes.c_int.from_address(where).value
 
 
+def reachable() -> bool:
+    """Whether Xbyak's error can be found here (Linux x86-64, torch with oneDNN, the
+    library's symbol table present)."""
+    return _locate() is not None
+
+
 def _error_address() -> int | None:
     located = _locate()
     if located is None:
         return None
-    handle, offset = located
+    dlinfo, handle, offset = located
     block = ctypes.c_void_p()
-    dlinfo = ctypes.CDLL(None).dlinfo
     if dlinfo(ctypes.c_void_p(handle), _RTLD_DI_TLS_DATA, ctypes.byref(block)) != 0:
         return None
     return None if block.value is None else block.value + offset
 
 
 @functools.cache
-def _locate() -> tuple[int, int] | None:
-    """(the loaded ``libtorch_cpu.so``'s handle, the int's offset in its TLS block)."""
+def _locate() -> tuple[Any, int, int] | None:
+    """(``dlinfo``, the loaded ``libtorch_cpu.so``'s handle, the int's offset in its TLS
+    block)."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None
     try:
@@ -85,10 +92,10 @@ def _locate() -> tuple[int, int] | None:
             return None
         # RTLD_NOLOAD: the copy torch already loaded, never a second one
         handle = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)._handle
-        ctypes.CDLL(None).dlinfo  # noqa: B018  (glibc >= 2.3.3; AttributeError otherwise)
+        dlinfo = ctypes.CDLL(None).dlinfo  # glibc >= 2.3.3; AttributeError otherwise
     except (OSError, AttributeError, ValueError, struct.error):
         return None
-    return handle, offset
+    return dlinfo, handle, offset
 
 
 def _tls_offset(path: str, name: bytes) -> int | None:
