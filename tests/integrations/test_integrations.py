@@ -499,6 +499,28 @@ def test_trainer_other_errors_propagate_and_state_is_restored(hf, tmp_path):
         find_trainer_batch_size(trainer, predicted=4, search_eval=True)
 
 
+def test_a_cpu_trial_gets_the_budget_less_what_the_model_holds():
+    from batchfit.integrations._trials import cpu_trial_room
+
+    assert cpu_trial_room(2000, 1284) == 716
+    for budget in (1284, 1024):
+        with pytest.raises(DoesNotFitError, match="nothing is left for a trial"):
+            cpu_trial_room(budget, 1284)
+
+
+def test_lightning_on_the_cpu_refuses_a_budget_the_model_already_fills(pl, tmp_path):
+    """A budget no larger than the weights (321 floats: 1,284 B) leaves nothing for a trial;
+    a cap at the process's present size could crash it inside oneDNN, so no trial runs."""
+    from batchfit.integrations.lightning import BatchfitFinder
+
+    model = lightning_net(pl, threshold=10**6)
+    finder = BatchfitFinder(memory_bytes=1024, predicted=4)
+    with pytest.raises(DoesNotFitError, match="nothing is left for a trial") as caught:
+        fit(pl, model, [finder], tmp_path, max_steps=1)
+    assert (caught.value.needed_bytes, caught.value.available_bytes) == (1284, 1024)
+    assert model.seen == []  # no trial ran
+
+
 def test_lightning_on_the_cpu_enforces_the_budget_and_reports_each_trial(pl, tmp_path, caplog):
     """Issue 14 item 6: on the CPU, ``memory_bytes`` caps the trial fits (in-process
     ``RLIMIT_DATA``), so a real CNN runs out of memory at its boundary and the search ends

@@ -164,6 +164,24 @@ def trial_line(trial: Trial) -> str:
     return f"batch {trial.batch_size}: {verdict} ({trial.seconds:.1f} s)"
 
 
+def cpu_trial_room(budget: int, held: int) -> int:
+    """What an in-process CPU trial may use: the budget less what the model, its buffers and
+    the optimizer state already hold.
+
+    Raises:
+        DoesNotFitError: nothing is left. A cap at the process's present size would fail the
+            first allocation anywhere, oneDNN's own included, and oneDNN does not check all
+            of its (its primitive descriptors' constructors dereference a failed ``malloc``):
+            the process would crash instead of the trial failing.
+    """
+    if budget <= held:
+        raise DoesNotFitError(
+            f"the budget ({budget / 2**20:.1f} MiB) is not more than the {held / 2**20:.1f} MiB "
+            "the model's weights, buffers and optimizer state already hold: nothing is left "
+            "for a trial; raise memory_bytes", needed_bytes=held, available_bytes=budget)
+    return budget - held
+
+
 @contextlib.contextmanager
 def cpu_memory_cap(limit_bytes: int) -> Iterator[None]:
     """This process as a CPU "device" of ``limit_bytes`` more than it holds now, for the

@@ -53,6 +53,7 @@ from batchfit.integrations._trials import (
     check_positive_int,
     check_steps,
     cpu_memory_cap,
+    cpu_trial_room,
     search_in_process,
     trial_line,
 )
@@ -161,7 +162,7 @@ class BatchSizeFinder(keras.callbacks.Callback):
             if on_cpu:
                 budget = self.memory_bytes or available_memory_bytes()
                 if budget is not None:
-                    room = max(0, budget - _state_bytes(model))
+                    room = cpu_trial_room(budget, _state_bytes(model))
                     cap = lambda: cpu_memory_cap(room)  # noqa: E731
             steps = self.steps_per_trial
 

@@ -69,6 +69,7 @@ from batchfit.integrations._trials import (
     check_positive_int,
     check_steps,
     cpu_memory_cap,
+    cpu_trial_room,
     search_in_process,
     trial_line,
 )
@@ -233,7 +234,7 @@ class BatchfitFinder(Callback):
         held = _unique_bytes(list(module.parameters()) + list(module.buffers())
                              + [t for o in trainer.optimizers for st in o.state.values()
                                 for t in st.values() if isinstance(t, torch.Tensor)])
-        room = max(0, budget - held)
+        room = cpu_trial_room(budget, held)
         return lambda: cpu_memory_cap(room)
 
     def _predict(self, trainer: pl.Trainer, module: pl.LightningModule, loader: Any,
