@@ -18,8 +18,11 @@ pytestmark = pytest.mark.skipif(
     not reachable(), reason="Xbyak's error is not reachable (not Linux x86-64 with oneDNN)")
 
 # A warmed-up convolution, then a convolution of a new shape (a new oneDNN primitive, so a
-# new JIT kernel) under RLIMIT_DATA = VmData + 64 KiB: less than one kernel's code buffer
-# (jit_generator_t reserves 256 KiB), so its mmap fails.
+# new JIT kernel) under RLIMIT_DATA = VmData + ROOM: less than the code buffer every kernel
+# maps when it is built (Xbyak's CodeArray allocates its max size, jit_generator_t's
+# max_code_size of 256 KiB), so that mmap fails; and room enough for oneDNN's own small
+# allocations before it, which it does not all check (with too little it crashes instead).
+ROOM = 160 * 1024
 PRELUDE = """
 import resource, torch
 from torch.nn.functional import conv2d
@@ -51,7 +54,7 @@ def run(body: str) -> None:
 def test_a_failed_jit_allocation_fails_every_new_kernel_until_cleared():
     run(f"""
         soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-        resource.setrlimit(resource.RLIMIT_DATA, (vm_data_bytes() + 64 * 1024, hard))
+        resource.setrlimit(resource.RLIMIT_DATA, (vm_data_bytes() + {ROOM}, hard))
         assert fails(5)
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
         assert jit_error() == {ERR_CANT_ALLOC}
@@ -63,8 +66,8 @@ def test_a_failed_jit_allocation_fails_every_new_kernel_until_cleared():
 
 
 def test_the_cpu_cap_leaves_no_jit_error_behind():
-    run("""
-        with cpu_memory_cap(64 * 1024):
+    run(f"""
+        with cpu_memory_cap({ROOM}):
             assert fails(5)
         assert jit_error() == 0
         assert not fails(5) and not fails(6)
