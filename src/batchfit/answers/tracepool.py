@@ -1,4 +1,6 @@
-"""Two fake traces at once: this process and one forked worker that lives for a search.
+"""Two fake traces at once: a pair (:class:`TracePool`, ``max``: this process and one forked
+worker that lives for a search) or a queue (:class:`TraceQueue`, ``plan``: two forked
+workers, each taking the next waiting trace as it comes free).
 
 Fake traces are pure CPU work that does not depend on each other, and a forked child
 shares the model already built on meta. The worker is forked once, at the first pair,
@@ -30,7 +32,7 @@ import select
 import signal
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Self
 
 from batchfit._fork import fork_child
@@ -108,6 +110,170 @@ class TracePool:
         self.close()
 
 
+class TraceQueue:
+    """Requests traced by two forked workers, each taking the next one as it comes free:
+    ``run(tasks)`` drives searches that each wait on their own traces, so that one
+    search's long trace never holds up another's (a pair, by contrast, waits for its
+    longer half).
+
+    The workers are forked by :meth:`start`, before this process runs a backward pass
+    (see the module docstring); this process then only hands out requests and collects
+    answers. Where no worker can run (one core, no ``fork``, no idle core right now,
+    ``BATCHFIT_PARALLEL_TRACES=0``, CUDA initialised, ``allowed`` False) or a worker
+    fails or goes quiet, this process traces the request itself: the answers never
+    depend on the workers. Use as a context manager (or call :meth:`close`).
+    """
+
+    #: How long a worker may take over a trace before it is stopped and this process
+    #: traces the request itself: generous, from the longest trace seen so far; before
+    #: any has finished, a fixed ceiling (a failed worker shows at once, as end of file:
+    #: this only catches a worker that hangs).
+    FIRST_TIMEOUT_S = 1800.0
+
+    def __init__(self, trace: Callable[[int], Any], *, allowed: bool = True) -> None:
+        self._trace = trace
+        self._allowed = allowed
+        self._workers: list[_Worker] = []
+        self._busy: dict[_Worker, tuple[int, float]] = {}  # worker -> (request, started)
+        self._longest_s = 0.0
+
+    @property
+    def parallel(self) -> bool:
+        """Whether two workers are running."""
+        return len(self._workers) == 2
+
+    def start(self) -> bool:
+        """Fork the two workers now, unless they cannot run; whether they run. Call it
+        before this process's first backward pass; later calls do nothing."""
+        if self._allowed and _can_fork():
+            for _ in range(2):
+                # the second must not hold the first's pipes open (its end of file)
+                self._workers.append(_Worker.fork(self._trace, self._workers))
+                if not self._workers[-1].ready():
+                    self.close(kill=True)  # one worker alone gains nothing over this process
+                    break
+        self._allowed = False
+        return self.parallel
+
+    def run(self, tasks: Sequence[Generator[list[int], dict[int, Any], Any]],
+            rank: Callable[[int], Any] | None = None,
+            on_start: Callable[[int], None] | None = None) -> list[Any]:
+        """Drive every task to its end; return what each returns, in order.
+
+        A task is a generator that yields the requests it needs next (a list) and is sent
+        their results (``{request: result}``) once all of them are traced; a request asked
+        by several tasks, or again, is traced once. Waiting requests are taken smallest
+        ``rank(request)`` first, then by the task that asked first; ``on_start(request)``
+        is called as each trace begins."""
+        order = rank or (lambda request: 0)
+        done: dict[int, Any] = {}
+        asker: dict[int, int] = {}  # request -> the first task that asked for it
+        queued: list[int] = []
+        waits: dict[int, list[int]] = {}
+        ends: dict[int, Any] = {}
+
+        def advance(index: int, sent: dict[int, Any] | None) -> None:
+            while True:
+                try:
+                    asked = list(dict.fromkeys(tasks[index].send(sent)))
+                except StopIteration as stop:
+                    ends[index] = stop.value
+                    return
+                if not all(request in done for request in asked):
+                    break
+                sent = {request: done[request] for request in asked}
+            waits[index] = asked
+            running = {request for request, _ in self._busy.values()}
+            for request in asked:
+                if request not in done and request not in queued and request not in running:
+                    asker.setdefault(request, index)
+                    queued.append(request)
+
+        for index in range(len(tasks)):
+            advance(index, None)
+        while waits:
+            queued.sort(key=lambda request: (order(request), asker[request]))
+            request, result = self._next(queued, on_start)
+            done[request] = result
+            for index, asked in list(waits.items()):
+                if all(r in done for r in asked):
+                    del waits[index]
+                    advance(index, {r: done[r] for r in asked})
+        return [ends[index] for index in range(len(tasks))]
+
+    def _next(self, queued: list[int], on_start: Callable[[int], None] | None
+              ) -> tuple[int, Any]:
+        """Hand the first of ``queued`` to each free worker (taking them off it), a
+        second one only while a core is idle, then return the next answer: a worker's,
+        or, with none running, this process's own trace of the first request."""
+        while queued:
+            free = [worker for worker in self._workers if worker not in self._busy]
+            # this process's workers are part of the load: a second trace needs one
+            # more idle core (a core other work keeps busy makes two slower than one)
+            if not free or (self._busy and _idle_cores() + len(self._busy) < 1.5):
+                break
+            request = queued.pop(0)
+            if on_start is not None:
+                on_start(request)
+            free[0].send(request)
+            self._busy[free[0]] = (request, time.perf_counter())
+        if not self._busy:
+            request = queued.pop(0)
+            if on_start is not None:
+                on_start(request)
+            return request, self._timed(request)
+        return self._answer()
+
+    def _timed(self, request: int) -> Any:
+        start = time.perf_counter()
+        result = self._trace(request)
+        self._longest_s = max(self._longest_s, time.perf_counter() - start)
+        return result
+
+    def _answer(self) -> tuple[int, Any]:
+        """The first answer a running worker sends back; a worker that fails (end of
+        file, a reply that does not unpickle) or outlives its timeout is stopped, and
+        this process traces its request."""
+        limit = 120 + 4 * self._longest_s if self._longest_s else self.FIRST_TIMEOUT_S
+        while True:
+            now = time.perf_counter()
+            late = [w for w, (_, started) in self._busy.items() if now - started > limit]
+            if late:
+                return self._take_over(late[0])
+            wait = min(limit - (now - started) for _, started in self._busy.values())
+            by_fd = {worker.replies: worker for worker in self._busy}
+            ready, _, _ = select.select(list(by_fd), [], [], max(wait, 0.0))
+            if not ready:
+                continue
+            worker = by_fd[ready[0]]
+            request, started = self._busy[worker]
+            traced = worker.receive(timeout_s=limit)
+            if traced is None:
+                return self._take_over(worker)
+            del self._busy[worker]
+            self._longest_s = max(self._longest_s, time.perf_counter() - started)
+            return request, traced
+
+    def _take_over(self, worker: _Worker) -> tuple[int, Any]:
+        request, _ = self._busy.pop(worker)
+        self._workers.remove(worker)
+        worker.close(kill=True)
+        return request, self._timed(request)
+
+    def close(self, *, kill: bool = False) -> None:
+        """Let the workers exit (or stop them; a worker still tracing, after an error
+        here, is stopped); any later trace runs here."""
+        for worker in self._workers:
+            worker.close(kill=kill or worker in self._busy)
+        self._workers, self._busy = [], {}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class _Worker:
     """A forked child that traces the batch sizes it reads and writes back the results."""
 
@@ -115,11 +281,14 @@ class _Worker:
         self.pid, self.requests, self.replies = pid, requests, replies
 
     @classmethod
-    def fork(cls, trace: Callable[[int], Any]) -> _Worker:
+    def fork(cls, trace: Callable[[int], Any], others: Sequence[_Worker] = ()) -> _Worker:
         """The worker serves until this process closes the request pipe (its failures
-        show here as silence, and this process re-traces)."""
-        pid, requests, replies = fork_child([], lambda request, reply:
-                                            _serve(trace, request, reply))
+        show here as silence, and this process re-traces). ``others``: workers forked
+        before, whose pipes the child closes (else it would keep their request pipes
+        open, and they would never see end of file)."""
+        pid, requests, replies = fork_child(
+            [_Pipes(other) for other in others],
+            lambda request, reply: _serve(trace, request, reply))
         return cls(pid, requests, replies)
 
     def ready(self, timeout_s: float = 30.0) -> bool:
@@ -151,6 +320,18 @@ class _Worker:
             except ProcessLookupError:
                 pass
         os.waitpid(self.pid, 0)
+
+
+class _Pipes:
+    """A worker's two pipe ends in a child forked after it, closed there by
+    :func:`~batchfit._fork.fork_child`."""
+
+    def __init__(self, worker: _Worker) -> None:
+        self.fds = (worker.requests, worker.replies)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
 
 
 def _serve(trace: Callable[[int], Any], requests: int, replies: int) -> None:
