@@ -60,6 +60,8 @@ def bisection_plan_cli() -> None:
     def bisection(needs, layout, config, per_replica):
         from batchfit.answers.ranks import estimate_ranks
 
+        yield []  # the plan's searches are generators; this one traces here, one at a time
+
         divisors = [b for b in range(1, per_replica + 1) if per_replica % b == 0]
         sizes: dict[int, int] = {}
         device = needs.device
@@ -83,7 +85,6 @@ def bisection_plan_cli() -> None:
         return divisors[low], need(divisors[low])
 
     plan_module._Needs.largest_divisor_that_fits = bisection
-    plan_module._Needs.first_pair = lambda needs, variants: None  # in sequence, one at a time
     sys.argv = ["batchfit", *PLAN_8B[1:]]
     cli_main()
 

@@ -119,18 +119,36 @@ def test_in_pairs_the_answer_is_still_the_bisections(seed):
 
 
 def test_in_pairs_an_affine_need_takes_two_rounds():
-    # round 1: the first two divisors (the line); round 2: the largest divisor the line
-    # fits and the one above it, which settle the bracket: two traces' time, not four
+    # round 1: the second and third divisors (the line); round 2: the largest divisor the
+    # line fits and the one above it, which settle the bracket (or, where 2 does not fit,
+    # the first alone): two traces' time, not four
     divisors = divisors_of(128)
     for budget in range(16, 500, 7):
         single, asked = counted(lambda b: 13 + 3 * b)
         need_two, rounds = paired(lambda b: 13 + 3 * b)
         answer = largest_fitting_divisor(divisors, single, budget, None, need_two)
         assert answer == bisection(divisors, lambda b: 13 + 3 * b, budget)[0]
-        assert rounds[0] == [1, 2] and len(rounds) + len(asked) <= 2, (budget, rounds, asked)
+        assert rounds[0] == [2, 4] and len(rounds) + len(asked) <= 2, (budget, rounds, asked)
     need_two, rounds = paired(lambda b: 13 + 3 * b)  # 16 fits (61), 32 does not (109)
     assert largest_fitting_divisor(divisors, None, 100, None, need_two) == 16
-    assert rounds == [[1, 2], [16, 32]]
+    assert rounds == [[2, 4], [16, 32]]
+
+
+def test_in_pairs_a_large_model_settles_in_one_round_and_none_fitting_in_two():
+    # 13 + 3b: 2 needs 19 and 4 needs 25
+    divisors = divisors_of(256)
+    single, asked = counted(lambda b: 13 + 3 * b)
+    need_two, rounds = paired(lambda b: 13 + 3 * b)
+    assert largest_fitting_divisor(divisors, single, 20, None, need_two) == 2
+    assert rounds == [[2, 4]] and asked == []  # 2 fits, 4 does not: the bracket is closed
+    single, asked = counted(lambda b: 13 + 3 * b)
+    need_two, rounds = paired(lambda b: 13 + 3 * b)
+    assert largest_fitting_divisor(divisors, single, 15, None, need_two) is None
+    assert rounds == [[2, 4]] and asked == [1]  # 1 needs 16: nothing fits
+    single, asked = counted(lambda b: 13 + 3 * b)
+    need_two, rounds = paired(lambda b: 13 + 3 * b)  # two divisors: both at once
+    assert largest_fitting_divisor([1, 2], single, 17, None, need_two) == 1
+    assert rounds == [[1, 2]] and asked == []
 
 
 def test_needs_traced_before_are_not_asked_again():
@@ -196,23 +214,23 @@ from batchfit.answers import tracepool
 from batchfit.engine.spec import TrainConfig
 from batchfit.speed.plan import plan
 
-pairs = []
-pair = tracepool.TracePool._pair
-tracepool.TracePool._pair = lambda self, a, b: pairs.append((a, b)) or pair(self, a, b)
+sent = []
+send = tracepool._Worker.send
+tracepool._Worker.send = lambda self, request: sent.append(request) or send(self, request)
 mlp = lambda: torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(16)])
 result = plan(mlp, (2048, 4096), TrainConfig(optimizer="adamw", precision="amp-fp16"),
               gpus="2xT4", global_batch=128, strategies=["ddp", "fsdp"], checkpointing="off",
               offload="none")
-print(json.dumps({"pairs": len(pairs), "rows": [r.to_dict() for r in result.rows]}))
+print(json.dumps({"sent": len(sent), "rows": [r.to_dict() for r in result.rows]}))
 """
 
 
 @pytest.mark.slow
-def test_the_plan_in_pairs_equals_the_plan_in_sequence():
-    # The worker is forked before the process's first backward, so this runs where a user
-    # runs it: a fresh process (pytest's has run backward passes). The requests the worker
-    # is sent are numbers into a table built before the fork; its answers must be the
-    # rows the same plan gives traced one at a time here.
+def test_the_plan_in_workers_equals_the_plan_in_sequence():
+    # The workers are forked before the process's first backward, so this runs where a
+    # user runs it: a fresh process (pytest's has run backward passes). The requests the
+    # workers are sent are numbers into a table built before the fork; their answers must
+    # be the rows the same plan gives traced one at a time here.
     import json
     import os
     import subprocess
@@ -224,12 +242,12 @@ def test_the_plan_in_pairs_equals_the_plan_in_sequence():
                               capture_output=True, text=True, timeout=600, check=True)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    in_sequence, in_pairs = run("0"), run("1")
-    assert in_sequence["pairs"] == 0
-    if in_pairs["pairs"] == 0:
-        pytest.skip("no idle core for the worker on this machine right now")
-    assert in_pairs["rows"] == in_sequence["rows"]
-    assert all(row["feasible"] for row in in_pairs["rows"])
+    in_sequence, in_workers = run("0"), run("1")
+    assert in_sequence["sent"] == 0
+    if in_workers["sent"] == 0:
+        pytest.skip("no idle core for the workers on this machine right now")
+    assert in_workers["rows"] == in_sequence["rows"]
+    assert all(row["feasible"] for row in in_workers["rows"])
 
 
 def test_plan_precision_follows_a_16_bit_checkpoint_and_the_card():

@@ -1,6 +1,5 @@
-"""``plan`` traces every layout's micro-batch of 1 in one round across layouts, pairs
-those traces across layouts, and traces nothing the plan in sequence does not: the same
-requests, each once, and the same rows, whether a worker runs pairs or not."""
+"""``plan`` runs every layout's search at once, each trace in whichever of two workers is
+free, and traces each request once; the rows are the ones the plan in sequence gives."""
 
 from __future__ import annotations
 
@@ -24,13 +23,13 @@ from batchfit.answers import tracepool
 from batchfit.engine.spec import TrainConfig
 from batchfit.speed.plan import plan
 
-tracepool._idle_cores = lambda window_s=0.05: 2.0  # run pairs whatever the machine's load
-maps, pairs = [], []
-original_map, original_pair = tracepool.TracePool.map, tracepool.TracePool._pair
+tracepool._idle_cores = lambda window_s=0.05: 2.0  # run two at once whatever the load
+sent, here = [], []
+original_send, original_timed = tracepool._Worker.send, tracepool.TraceQueue._timed
 
 
-def named(pool, request):
-    needs = pool._trace.__self__
+def named(queue, request):
+    needs = queue._trace.__self__
     if request >= len(needs.requests):  # a roofline micro-step, numbered after the ranks
         config, micro = needs.rooflines[request - len(needs.requests)]
         return ["roofline", config.checkpointing, micro]
@@ -38,22 +37,32 @@ def named(pool, request):
     return [layout.strategy.value, config.checkpointing, micro]
 
 
-def counted_map(self, requests):
-    maps.append([named(self, r) for r in requests])
-    return original_map(self, requests)
+queues = []
+original_init = tracepool.TraceQueue.__init__
 
 
-def counted_pair(self, first, second):
-    pairs.append([named(self, first), named(self, second)])
-    return original_pair(self, first, second)
+def init(self, *args, **kwargs):
+    queues.append(self)
+    original_init(self, *args, **kwargs)
 
 
-tracepool.TracePool.map, tracepool.TracePool._pair = counted_map, counted_pair
+def counted_send(self, request):
+    sent.append(named(queues[-1], request))
+    return original_send(self, request)
+
+
+def counted_timed(self, request):
+    here.append(named(self, request))
+    return original_timed(self, request)
+
+
+tracepool.TraceQueue.__init__ = init
+tracepool._Worker.send, tracepool.TraceQueue._timed = counted_send, counted_timed
 mlp = lambda: torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(20)])
 result = plan(mlp, (16, 8192), TrainConfig(optimizer="sgd"), gpus="4xT4", global_batch=8,
               strategies=["ddp", "fsdp", "fsdp-grad-op"], checkpointing="auto",
               offload="none")
-print(json.dumps({"maps": maps, "pairs": pairs, "rows": [r.to_dict() for r in result.rows]}))
+print(json.dumps({"sent": sent, "here": here, "rows": [r.to_dict() for r in result.rows]}))
 """
 
 
@@ -66,30 +75,36 @@ def _run(parallel: str) -> dict:
 
 
 def _traced(run: dict) -> list[tuple]:
-    return sorted(tuple(request) for requests in run["maps"] for request in requests)
+    return sorted(tuple(request) for request in run["sent"] + run["here"])
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork") or (os.cpu_count() or 1) < 2,
-                    reason="a worker needs fork and a second core")
-def test_the_first_round_pairs_layouts_and_traces_nothing_ahead_of_need():
-    in_sequence, in_pairs = _run("0"), _run("1")
-    assert in_pairs["rows"] == in_sequence["rows"]
-    # every search begins with its first variant (no checkpointing) at a micro-batch of 1
-    first_round = [["ddp", False, 1], ["fsdp", False, 1], ["fsdp-grad-op", False, 1]]
-    assert in_pairs["maps"][0] == in_sequence["maps"][0] == first_round
-    # two layouts' traces at once (before: a layout's two variants, so the checkpointed
-    # FSDP variants were traced though FSDP fits without checkpointing)
-    assert in_pairs["pairs"][0] == [["ddp", False, 1], ["fsdp", False, 1]]
-    assert in_sequence["pairs"] == []
-    # then the next variant of the one layout that does not fit at 1: DDP's checkpointed
-    # one, which fails at 1 and is not traced at 2
-    assert in_pairs["maps"][1] == [["ddp", True, 1]]
-    assert _traced(in_pairs) == _traced(in_sequence) == sorted([
-        ("ddp", False, 1), ("ddp", True, 1), ("fsdp", False, 1), ("fsdp", False, 2),
-        ("fsdp-grad-op", False, 1), ("fsdp-grad-op", False, 2), ("roofline", False, 2)])
-    # the roofline of the micro-step both rows use, once, after every layout's search
-    assert in_pairs["maps"][-1] == in_sequence["maps"][-1] == [["roofline", False, 2]]
-    ddp = next(row for row in in_pairs["rows"] if row["strategy"] == "ddp")
+                    reason="workers need fork and a second core")
+def test_every_layout_is_searched_at_once_and_each_request_traced_once():
+    in_sequence, in_parallel = _run("0"), _run("1")
+    assert in_parallel["rows"] == in_sequence["rows"]
+    ddp = next(row for row in in_parallel["rows"] if row["strategy"] == "ddp")
     assert not ddp["feasible"] and ddp["checkpointing"]
-    assert [row["micro_batch_size"] for row in in_pairs["rows"] if row["feasible"]] == [2, 2]
+    assert [row["micro_batch_size"] for row in in_parallel["rows"] if row["feasible"]] == [2, 2]
+    # in sequence: one layout after another (its roofline as its search ends), a
+    # micro-batch at a time from 1; DDP does not fit at 1, nor does its checkpointed
+    # variant (a Sequential has no checkpointing)
+    assert in_sequence["sent"] == []
+    assert in_sequence["here"] == [
+        ["ddp", False, 1], ["ddp", True, 1], ["fsdp", False, 1], ["fsdp", False, 2],
+        ["roofline", False, 2], ["fsdp-grad-op", False, 1], ["fsdp-grad-op", False, 2]]
+    # at once: every trace in a worker, each once; the per-replica batch is 2, so every
+    # search asks its two divisors together (DDP's variants both, though 1 settles them);
+    # the roofline both rows use, once
+    assert in_parallel["here"] == []
+    assert len(_traced(in_parallel)) == len(set(_traced(in_parallel)))
+    assert _traced(in_parallel) == sorted([
+        ("ddp", False, 1), ("ddp", False, 2), ("ddp", True, 1), ("ddp", True, 2),
+        ("fsdp", False, 1), ("fsdp", False, 2), ("fsdp-grad-op", False, 1),
+        ("fsdp-grad-op", False, 2), ("roofline", False, 2)])
+    # the first two traces are the first layout's pair, then the searches interleave: the
+    # second layout's traces start before the first layout's search ends
+    assert in_parallel["sent"][:2] == [["ddp", False, 1], ["ddp", False, 2]]
+    assert in_parallel["sent"].index(["fsdp", False, 1]) < \
+        in_parallel["sent"].index(["ddp", True, 1])

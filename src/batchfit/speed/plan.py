@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Self
 
@@ -188,30 +188,22 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
     requests = [(variant, variant_config, micro) for variants in searches
                 for variant, variant_config in variants
                 for micro in _divisors(global_batch // variant.data_parallel_size)]
-    rows = []
     with _Needs(model, inputs, gpu_profile(card), requests, config) as needs:
         # one model built on meta for the facts, the memory traces and the roofline's
         facts = _model_facts(model, inputs, needs.meta_model, config)
-        needs.speed = speed = _Speed(model, inputs, card, needs.meta_model)  # before the fork
-        # a replicated layout whose weights, gradients and optimizer state alone exceed
-        # the card is answered without a trace (_evaluate)
-        needs.first_rounds([variants for variants in searches
-                            if _floor_over(variants[0][0], facts, needs.device) is None],
-                           on_layout)
-        for strategy, tp, layout in layouts:
-            if isinstance(layout, str):
-                rows.append(LayoutPlan(strategy, tp, "none", False, False, layout))
-                continue
-            rows.append(_best_variant(needs, config, card, layout, global_batch, facts,
-                                      network, checkpointing, offload, on_layout))
-        # the roofline of each micro-step the rows use, in pairs, then each row's seconds
-        wanted = [(replace(config, checkpointing=row.checkpointing), row.micro_batch_size)
-                  for row in rows if row.feasible]
-        if wanted and on_layout is not None:
-            on_layout("the roofline of the micro-steps")
-        needs.micro_steps(wanted)
-        rows = [_timed(row, replace(config, checkpointing=row.checkpointing), speed,
-                       global_batch) for row in rows]
+        needs.speed = _Speed(model, inputs, card, needs.meta_model)  # before the fork
+        tasks = [_searched_row(needs, config, card, layout, global_batch, facts, network,
+                               checkpointing, offload)
+                 for _, _, layout in layouts if not isinstance(layout, str)]
+        if tasks:
+            needs.queue.start()  # forks the workers now, before this process's first backward
+        # every layout's search at once: each trace goes to the first free worker
+        searched = iter(needs.queue.run(
+            tasks, rank=needs.rank if needs.queue.parallel else None,
+            on_start=None if on_layout is None else lambda n: on_layout(needs.label(n))))
+        rows = [LayoutPlan(strategy, tp, "none", False, False, layout)
+                if isinstance(layout, str) else next(searched)
+                for strategy, tp, layout in layouts]
     rows.sort(key=lambda r: (not r.feasible, r.step_s if r.feasible else 0.0))
     return PlanResult(card.name, count, nodes, global_batch, tuple(rows), chosen.value, source)
 
@@ -297,29 +289,50 @@ def _variants(layout: Any, checkpointing: str, offload: str) -> list[tuple[bool,
     return [(ckpt, off) for off in offloads for ckpt in steps]
 
 
+#: What a layout's search yields and is sent: the requests it needs traced next, then
+#: their results (:meth:`batchfit.answers.tracepool.TraceQueue.run`).
+_Search = Generator[list[int], dict[int, Any], Any]
+
+
+def _searched_row(needs: _Needs, config: TrainConfig, card: Any, layout: Any,
+                  global_batch: int, facts: _Model, network: float, checkpointing: str,
+                  offload: str) -> _Search:
+    """The layout's row: its first variant that fits (:func:`_best_variant`), with the
+    compute of its micro-step (:func:`_timed`)."""
+    row = yield from _best_variant(needs, config, card, layout, global_batch, facts,
+                                   network, checkpointing, offload)
+    row_config = replace(config, checkpointing=row.checkpointing)
+    if row.feasible:
+        yield from needs.micro_step(row_config, row.micro_batch_size)
+    return _timed(row, row_config, needs.speed, global_batch)
+
+
 def _best_variant(needs: _Needs, config: TrainConfig, card: Any, layout: Any,
                   global_batch: int, facts: _Model, network: float,
-                  checkpointing: str, offload: str,
-                  on_layout: Callable[[str], None] | None) -> LayoutPlan:
+                  checkpointing: str, offload: str) -> _Search:
     """The first variant (least checkpointing and offload) that fits, else why none does."""
     last: LayoutPlan | None = None
     for ckpt, off in _variants(layout, checkpointing, offload):
-        variant = replace(layout, offload=off)
-        label = (f"{layout.strategy.value}{f' tp{layout.tp}' if layout.tp > 1 else ''}"
-                 f"{' +checkpointing' if ckpt else ''}{f' +offload {off}' if off != 'none' else ''}")
-        if on_layout is not None:
-            on_layout(label)
-        last = _evaluate(needs, replace(config, checkpointing=ckpt), card, variant,
-                         global_batch, facts, network)
+        last = yield from _evaluate(needs, replace(config, checkpointing=ckpt), card,
+                                    replace(layout, offload=off), global_batch, facts,
+                                    network)
         if last.feasible:
             return last
     return last
 
 
+def _variant_label(layout: Any, config: TrainConfig) -> str:
+    """``zero3``, ``fsdp tp2 +checkpointing``, ``zero2 +offload optimizer``..."""
+    off = layout.offload.value
+    return (f"{layout.strategy.value}{f' tp{layout.tp}' if layout.tp > 1 else ''}"
+            f"{' +checkpointing' if config.checkpointing else ''}"
+            f"{f' +offload {off}' if off != 'none' else ''}")
+
+
 def _evaluate(needs: _Needs, config: TrainConfig, card: Any, layout: Any, global_batch: int,
-              facts: _Model, network: float) -> LayoutPlan:
+              facts: _Model, network: float) -> _Search:
     """The layout variant's micro-batch, memory and communication (its compute comes from
-    the roofline once every layout is evaluated: :func:`_timed`)."""
+    the roofline of its micro-step: :func:`_timed`)."""
     base = LayoutPlan(layout.strategy.value, layout.tp, layout.offload.value,
                       config.checkpointing, False)
     replicas = layout.data_parallel_size
@@ -328,12 +341,12 @@ def _evaluate(needs: _Needs, config: TrainConfig, card: Any, layout: Any, global
                                     f"{replicas} data-parallel ranks")
     per_replica = global_batch // replicas
     floor = _floor_over(layout, facts, needs.device)
-    if floor is not None:
+    if floor is not None:  # a replicated layout over the card is answered without a trace
         return replace(base, reason=f"its weights, gradients and optimizer state alone need "
                                     f"{floor / 2**30:.1f} GiB on every GPU, over the "
                                     f"{card.memory_bytes / 2**30:.1f} GiB card")
     try:
-        micro, memory = needs.largest_divisor_that_fits(layout, config, per_replica)
+        micro, memory = yield from needs.largest_divisor_that_fits(layout, config, per_replica)
     except BatchfitError as exc:
         return replace(base, reason=str(exc).split(":")[0])
     if micro is None:
@@ -361,27 +374,29 @@ def _timed(row: LayoutPlan, config: TrainConfig, speed: _Speed,
 
 class _Needs:
     """Rank 0's device memory for each (layout variant, micro-batch) the plan asks for: one
-    trace each (:func:`~batchfit.answers.ranks.estimate_ranks`, the steady step), two at a
-    time where the machine allows.
+    trace each (:func:`~batchfit.answers.ranks.estimate_ranks`, the steady step), and the
+    roofline of each micro-step a row uses; two at a time where the machine allows.
 
-    The pair runs here and in a :class:`~batchfit.answers.tracepool.TracePool`'s worker,
-    forked at the first pair, before any trace here (a child forked after a backward
-    cannot run one); so every request the plan can make (``requests``: each layout
-    variant at each divisor of its per-replica batch) is numbered before, and the worker
-    is sent the number. The pair costs one trace's time on two idle cores; the answer
-    never depends on the worker (see the pool).
+    The traces run in a :class:`~batchfit.answers.tracepool.TraceQueue`'s two workers,
+    forked before any trace (a child forked after a backward cannot run one); so every
+    request the plan can make (``requests``: each layout variant at each divisor of its
+    per-replica batch; then :attr:`rooflines`) is numbered before, and a worker is sent
+    the number. Every layout's search runs at once, each waiting on its own traces, and
+    each free worker takes the longest trace waiting; the answer never depends on the
+    workers (see the queue).
 
     A variant's traces share one :class:`~batchfit.engine.trace.TraceReuse` (the optimizer
     phase traced once, as ``max`` shares it); all variants share the model built on meta
-    once (each copies it; none changes it), and each variant takes as its first guess the
-    bytes per sample an earlier one with the same checkpointing measured (the activations
-    per sample are much alike across strategies; the answer is still confirmed by tracing
-    it and the divisor above).
+    once (each copies it; none changes it). Traced one at a time (no workers), the
+    layouts' searches run one after another, and a variant whose search has one need
+    takes as its slope the bytes per sample an earlier one with the same checkpointing
+    measured (the activations per sample are much alike across strategies; the answer is
+    still confirmed by tracing it and the divisor above).
     """
 
     def __init__(self, model: Any, inputs: Any, device: Any,
                  requests: list[tuple[Any, TrainConfig, int]], config: TrainConfig) -> None:
-        from batchfit.answers.tracepool import TracePool
+        from batchfit.answers.tracepool import TraceQueue
         from batchfit.engine.trace import TraceReuse
 
         self.model, self.inputs, self.device = model, inputs, device
@@ -391,15 +406,16 @@ class _Needs:
         # the roofline micro-steps a row can use, numbered after the rank traces
         self.rooflines = list({(config.checkpointing, micro): (config, micro)
                                for _, config, micro in requests}.values())
+        self._roofline_ids = {key: len(requests) + n for n, key in enumerate(
+            (config.checkpointing, micro) for config, micro in self.rooflines)}
         self.speed: _Speed | None = None
         self._meta = TraceReuse()
         if config.workload is None:
-            self._meta.build_model(model)  # before the fork: the worker inherits it
+            self._meta.build_model(model)  # before the fork: the workers inherit it
         self._reuse: dict[tuple[Any, ...], Any] = {}
         self.sizes: dict[tuple[Any, ...], dict[int, int]] = {}
-        self.failures: dict[tuple[Any, ...], BatchfitError] = {}  # (variant, micro) -> error
         self.slopes: dict[bool, float] = {}
-        self.pool = TracePool(self._trace, allowed=device.is_cuda)
+        self.queue = TraceQueue(self._trace, allowed=device.is_cuda)
 
     @property
     def meta_model(self) -> Any:
@@ -412,7 +428,7 @@ class _Needs:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.pool.close()
+        self.queue.close()
 
     def _trace(self, request: int) -> int | float | BatchfitError:
         from batchfit.answers.ranks import estimate_ranks
@@ -434,90 +450,60 @@ class _Needs:
         except BatchfitError as exc:  # the variant's answer, if the search asks for it
             return exc
 
-    def micro_steps(self, wanted: list[tuple[TrainConfig, int]]) -> None:
-        """The roofline's micro-step at each (config, micro-batch) ``wanted``, traced two at
-        a time where the pool runs pairs, kept by :attr:`speed`."""
+    def rank(self, request: int) -> tuple[int, bool]:
+        """Which waiting trace a free worker takes first: the longest
+        (:func:`_trace_length_rank`; a roofline's runs as long as torch's own layouts)."""
+        if request >= len(self.requests):
+            config, _ = self.rooflines[request - len(self.requests)]
+            return len(_TRACE_LENGTH), not config.checkpointing
+        layout, config, _ = self.requests[request]
+        return _trace_length_rank(_variant_key(layout, config))
+
+    def label(self, request: int) -> str:
+        """What a trace is, for progress: ``zero3 at a micro-batch of 2``."""
+        if request >= len(self.requests):
+            config, micro = self.rooflines[request - len(self.requests)]
+            what = f"the roofline{' +checkpointing' if config.checkpointing else ''}"
+        else:
+            layout, config, micro = self.requests[request]
+            what = _variant_label(layout, config)
+        return f"{what} at a micro-batch of {micro}"
+
+    def micro_step(self, config: TrainConfig, micro: int) -> _Search:
+        """Trace the roofline's micro-step at ``micro`` (once however many rows use it)
+        and keep its seconds in :attr:`speed`."""
         assert self.speed is not None
-        keys = [key for key in dict.fromkeys((c.checkpointing, m) for c, m in wanted)
-                if key not in self.speed.seconds]
-        ids = {key: len(self.requests) + n for n, (config, micro) in enumerate(self.rooflines)
-               if (key := (config.checkpointing, micro)) in keys}
-        traced = self.pool.map([ids[key] for key in keys])
-        for key in keys:
-            self.speed.seconds[key] = traced[ids[key]]
-
-    def _record(self, key: tuple[Any, ...], traced: Mapping[int, int | BatchfitError]) -> None:
-        """Keep what the traces of ``key``'s micro-batches gave: bytes, or the error that
-        answers for that micro-batch when (and only if) the search asks for it. A variant
-        traced at a micro-batch of 1 (:meth:`first_rounds`) keeps its error until its
-        search asks for it."""
-        for micro, result in traced.items():
-            if isinstance(result, BatchfitError):
-                self.failures[key, micro] = result
-            else:
-                self.sizes.setdefault(key, {})[micro] = result
-
-    def first_rounds(self, searches: list[list[tuple[Any, TrainConfig]]],
-                     on_round: Callable[[str], None] | None = None) -> None:
-        """Trace, across all layouts at once, the micro-batch of 1 every layout's search
-        begins with: each layout's first variant (its least checkpointing and offload),
-        then the next variant of each layout whose first does not fit at 1 (the search
-        moves on to it). Exactly the traces the layouts' searches would run first, one
-        layout after another; here they pair across layouts (a ZeRO-2 trace with a
-        ZeRO-3 one, say) where one layout alone has only one to run. ``searches``: each
-        layout's variants in the order :func:`_best_variant` tries them."""
-        self.pool.parallel()  # forks the worker now, before this process's first backward
-        if on_round is not None:
-            on_round(f"a micro-batch of 1 for {len(searches)} layouts")
-        self._trace_at_one([variants[0] for variants in searches])
-        self._trace_at_one([variants[1] for variants in searches
-                            if len(variants) > 1 and not self._fits_at_one(*variants[0])])
-
-    def _trace_at_one(self, variants: list[tuple[Any, TrainConfig]]) -> None:
-        keys = [key for key in dict.fromkeys(_variant_key(*v) for v in variants)
-                if 1 not in self.sizes.get(key, {}) and (key, 1) not in self.failures]
-        # the longest traces first: the pool pairs them in order, so like pairs with like
-        # and an odd one out is a short one (the answers do not depend on the order)
-        keys.sort(key=_trace_length_rank)
-        traced = self.pool.map([self._ids[key, 1] for key in keys])
-        for key in keys:
-            self._record(key, {1: traced[self._ids[key, 1]]})
-
-    def _fits_at_one(self, layout: Any, config: TrainConfig) -> bool:
-        key = _variant_key(layout, config)
-        return (key, 1) not in self.failures and \
-            self.sizes[key][1] <= self.device.total_memory_bytes
+        key = (config.checkpointing, micro)
+        if key not in self.speed.seconds:
+            request = self._roofline_ids[key]
+            traced = yield [request]
+            self.speed.seconds[key] = traced[request]
 
     def largest_divisor_that_fits(self, layout: Any, config: TrainConfig,
-                                  per_replica: int) -> tuple[int | None, int]:
+                                  per_replica: int) -> Generator[list[int], dict[int, Any],
+                                                                 tuple[int | None, int]]:
         """The largest micro-batch that divides ``per_replica`` and fits rank 0, and its
-        bytes (None and the bytes at 1 when none fits): :func:`largest_fitting_divisor`,
-        in pairs when the pool runs two at once."""
+        bytes (None and the bytes at 1 when none fits): :func:`divisor_search`, in pairs
+        when the queue has workers. A trace that fails raises its error when the search
+        asks for it (the first failure in the search's order is what it answers)."""
         key = _variant_key(layout, config)
         sizes = self.sizes.setdefault(key, {})
-
-        def need_many(batches: list[int]) -> dict[int, int]:
-            raise_known_failure(batches)  # the error the traces below would end in
-            todo = [b for b in batches if b not in sizes and (key, b) not in self.failures]
-            traced = self.pool.map([self._ids[key, b] for b in todo])
-            self._record(key, {b: traced[self._ids[key, b]] for b in todo})
-            raise_known_failure(batches)
-            return {b: sizes[b] for b in batches}
-
-        def raise_known_failure(batches: list[int]) -> None:
-            """Raise the error of the first of ``batches`` that failed, if every one before
-            it is known: the first failure in order is what the search answers."""
-            for b in batches:
-                if (key, b) in self.failures:
-                    raise self.failures[key, b]
-                if b not in sizes:
-                    return
-
         divisors = _divisors(per_replica)
-        slope = self.slopes.get(config.checkpointing)
-        answer = largest_fitting_divisor(divisors, lambda b: need_many([b])[b],
-                                         self.device.total_memory_bytes, slope,
-                                         need_many if self.pool.parallel() else None, sizes)
+        search = divisor_search(divisors, self.device.total_memory_bytes,
+                                lambda: self.slopes.get(config.checkpointing),
+                                self.queue.parallel)
+        try:
+            asked = next(search)
+            while True:
+                traced = yield [self._ids[key, b] for b in asked]
+                for b in asked:  # in order: the first failure is the answer
+                    result = traced[self._ids[key, b]]
+                    if isinstance(result, BatchfitError):
+                        raise result
+                    sizes[b] = result
+                asked = search.send({b: sizes[b] for b in asked})
+        except StopIteration as stop:
+            answer = stop.value
         measured = _slope(sizes, answer)
         if measured is not None:
             self.slopes[config.checkpointing] = measured
@@ -556,7 +542,34 @@ def largest_fitting_divisor(divisors: Sequence[int], need: Callable[[int], int],
                             known: Mapping[int, int] | None = None) -> int | None:
     """The largest of the increasing ``divisors`` whose ``need`` fits ``budget`` (None when
     the first does not), given that ``need`` grows with the micro-batch; ``need`` is one
-    trace, so it is asked as few times as the answer allows.
+    trace, so it is asked as few times as the answer allows (:func:`divisor_search`, which
+    this drives: ``need_two`` asks two needs at once, e.g. a pool with a worker; ``known``:
+    needs traced before, micro-batch -> bytes, not asked again).
+
+    Example:
+        >>> asked = []
+        >>> need = lambda b: asked.append(b) or 10 + 3 * b
+        >>> largest_fitting_divisor([1, 2, 4, 8, 16, 32, 64, 128], need, 60), asked
+        (16, [1, 2, 16, 32])
+    """
+    search = divisor_search(divisors, budget, lambda: slope, need_two is not None, known)
+    try:
+        asked = next(search)
+        while True:
+            got = need_two(asked) if len(asked) == 2 and need_two is not None else \
+                {b: need(b) for b in asked}
+            asked = search.send(got)
+    except StopIteration as stop:
+        return stop.value
+
+
+def divisor_search(divisors: Sequence[int], budget: int,
+                   slope: Callable[[], float | None] = lambda: None, pairs: bool = False,
+                   known: Mapping[int, int] | None = None
+                   ) -> Generator[list[int], dict[int, int], int | None]:
+    """The search of :func:`largest_fitting_divisor` as a generator: it yields the
+    micro-batches it needs traced next (one; two with ``pairs``), is sent their needs
+    (``{micro-batch: bytes}``), and returns the answer.
 
     Keeps a bracket, as a bisection over the divisors does (``divisors[low]`` fits,
     ``divisors[high]`` does not, or ``high`` is past the end) and returns ``divisors[low]``
@@ -565,67 +578,69 @@ def largest_fitting_divisor(divisors: Sequence[int], need: Callable[[int], int],
     first divisor (nothing fits: one trace, where a bisection over 8 divisors takes three),
     the second (a line through two needs, or the answer 1: two traces), the largest divisor
     the line fits, then its neighbour above to confirm it (four traces, or three when the
-    line fits them all). Given ``slope`` (bytes per sample, e.g. measured on another
-    layout), the line through the first need with that slope is the first guess: three
-    traces when it is right.
+    line fits them all). Given a ``slope()`` (bytes per sample, e.g. measured on another
+    layout; asked when the search has one need only), the line through the first need
+    with that slope is the first guess: three traces when it is right.
 
-    ``need_two`` (two needs at once, e.g. a :class:`~batchfit.answers.tracepool.TracePool`)
-    asks in pairs: the first two divisors, then each probe with the neighbour that settles
-    the bracket if the line is right (above it, or below it when the one above is known
-    to fail). The answer is the same; a line that is right takes two rounds. ``known``:
-    needs traced before (micro-batch -> bytes), not asked again.
-
-    Example:
-        >>> asked = []
-        >>> need = lambda b: asked.append(b) or 10 + 3 * b
-        >>> largest_fitting_divisor([1, 2, 4, 8, 16, 32, 64, 128], need, 60), asked
-        (16, [1, 2, 16, 32])
+    With ``pairs`` it asks two at a time: the second and third divisors (a micro-batch of
+    2 that fits and 4 that does not settle it in one round; where 2 does not fit, the
+    first is traced next), then each probe with the neighbour that settles the bracket if
+    the line is right (above it, or below it when the one above is known to fail); a
+    probe the line already says does not fit goes alone (the answer is then the bracket's
+    low end, whatever a partner would show). The answer is the same; a line that is right
+    takes two rounds.
     """
     index = {b: i for i, b in enumerate(divisors)}
     known = {index[b]: n for b, n in (known or {}).items() if b in index}
 
-    def ask(*indices: int) -> None:
+    def ask(*indices: int) -> Generator[list[int], dict[int, int], None]:
         todo = [i for i in dict.fromkeys(indices) if i not in known and i < len(divisors)]
-        if need_two is not None and len(todo) == 2:
-            got = need_two([divisors[i] for i in todo])
-            known.update((i, got[divisors[i]]) for i in todo)
-        for i in todo:
-            if i not in known:
-                known[i] = need(divisors[i])
+        for group in [todo] if pairs else [[i] for i in todo]:
+            if group:
+                got = yield [divisors[i] for i in group]
+                known.update((i, got[divisors[i]]) for i in group)
 
-    if 0 not in known:
-        ask(0, 1) if need_two is not None else ask(0)
-    if known[0] > budget:
-        return None
+    if not known:
+        # in pairs, the second and third divisors: where the answer is 2 (a large model
+        # on its card) that settles it, and a line through moderate micro-batches, where
+        # per-sample tensors already outweigh the fixed ones, extrapolates better
+        yield from (ask(1, 2) if pairs and len(divisors) > 2 else ask(0, 1) if pairs
+                    else ask(0))
     while True:
         high = min((i for i, n in known.items() if n > budget), default=len(divisors))
-        low = max(i for i, n in known.items() if n <= budget and i < high)
+        if high == 0:
+            return None
+        # -1: nothing known to fit yet (every need traced is over the budget)
+        low = max((i for i, n in known.items() if n <= budget and i < high), default=-1)
         if high - low <= 1:
             return divisors[low]
-        probe = _probe(divisors, known, low, high, budget, slope)
+        probe, fits = _probe(divisors, known, low, high, budget, slope())
         partner = probe + 1 if probe + 1 < high else probe - 1
-        ask(probe, partner) if need_two is not None and partner > low else ask(probe)
+        yield from (ask(probe, partner) if pairs and partner > low and fits is not False
+                    else ask(probe))
 
 
 def _probe(divisors: Sequence[int], known: dict[int, int], low: int, high: int,
-           budget: int, slope: float | None = None) -> int:
+           budget: int, slope: float | None = None) -> tuple[int, bool | None]:
     """The index strictly inside ``(low, high)`` to trace next: the largest divisor the line
-    through ``low``'s need and the nearest other known need (or, with no other yet, of
-    ``slope``) fits (``low + 1`` when the line fits none, or there is no line; ``high - 1``
-    when memory does not grow)."""
-    others = [i for i in known if i != low]
-    x0, y0 = divisors[low], known[low]
+    through ``low``'s need (``high``'s when ``low`` is -1: nothing known fits) and the
+    nearest other known need (or, with no other yet, of ``slope``) fits (``low + 1`` when
+    the line fits none, or there is no line; ``high - 1`` when memory does not grow), and
+    whether the line says it fits (None: no line)."""
+    base = low if low >= 0 else high
+    others = [i for i in known if i != base]
+    x0, y0 = divisors[base], known[base]
     if others:
-        other = min(others, key=lambda i: abs(i - low))
+        other = min(others, key=lambda i: abs(i - base))
         x1, y1 = divisors[other], known[other]
         if y1 == y0 or (y1 - y0) * (x1 - x0) < 0:
-            return high - 1
+            return high - 1, True
         slope = (y1 - y0) / (x1 - x0)
     elif not slope or slope <= 0:
-        return low + 1
+        return low + 1, None
     crossing = x0 + (budget - y0) / slope
     fitting = [i for i in range(low + 1, high) if divisors[i] <= crossing]
-    return fitting[-1] if fitting else low + 1
+    return (fitting[-1], True) if fitting else (low + 1, False)
 
 
 def communication_bytes(layout: Any, facts: _Model, precision: Precision, micro: int,
