@@ -16,7 +16,8 @@ check that both give the same plan (``differences``: the layout rows whose field
 torch ops the plan's traces dispatch, in one process, for each source (a measure of the
 plan's work that the machine's load does not move): benchmarks/results/plan_speed_8b_ops.json.
 Writes benchmarks/results/plan_speed[_small].json (every run's wall and CPU seconds, their
-medians and the load average before and after each run) and prints a summary.
+medians and the load average before and after each run) and the same as a table (.md, for
+the accuracy page), and prints a summary.
 """
 
 from __future__ import annotations
@@ -101,6 +102,33 @@ def _differences(old: dict | None, new: dict) -> list[dict]:
     return found
 
 
+def markdown(out: dict, args: argparse.Namespace) -> str:
+    """The result as the accuracy page shows it: each run's wall and CPU seconds with the
+    load average around it, the medians against the target, and the older source's as
+    the peer (same rounds, alternating)."""
+    command = (f"python benchmarks/plan_speed.py --runs {args.runs}"
+               f"{' --old-src DIR' if args.old_src else ''}"
+               f"{f' --case {args.case}' if args.case != '8b' else ''}")
+    lines = [f"`{command}`: `batchfit {' '.join(out['argv'])}` in fresh processes, "
+             "start-up included.", "",
+             "| source | runs: wall s (CPU s) [load average before-after] | median wall s "
+             "| median CPU s | target | met | ratio to the old source |",
+             "|---|---|---|---|---|---|---|"]
+    old = out["medians_s"].get("old")
+    for name, runs in out["runs"].items():
+        shown = ", ".join(f"{r['seconds']:.1f} ({r['cpu_s']:.0f}) "
+                          f"[{r['load_before']:.1f}-{r['load_after']:.1f}]" for r in runs)
+        median = out["medians_s"][name]
+        target = f"<= {out['target_s']:.0f} s" if args.case == "8b" else "-"
+        met = str(median <= out["target_s"]) if args.case == "8b" else ""
+        ratio = f"{median / old:.2f}" if old and name != "old" else ""
+        lines.append(f"| {name} | {shown} | {median:.1f} | {out['medians_cpu_s'][name]:.1f} "
+                     f"| {target} | {met} | {ratio} |")
+    if old is not None:
+        lines += ["", f"Same plan from both sources: {out['same_answer']}."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
@@ -134,8 +162,9 @@ def main() -> None:
            "runs": {name: [{k: v for k, v in r.items() if k != "answer"} for r in rs]
                     for name, rs in runs.items()}, "answer": answers["new"]}
     RESULTS.mkdir(exist_ok=True)
-    name = "plan_speed.json" if args.case == "8b" else f"plan_speed_{args.case}.json"
-    (RESULTS / name).write_text(json.dumps(out, indent=2) + "\n")
+    name = "plan_speed" if args.case == "8b" else f"plan_speed_{args.case}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown(out, args))
     print(f"plan {args.case}: medians {medians}, CPU {cpu} (target {TARGET_S:.0f} s for 8b), "
           f"same answer: {out['same_answer']}")
 
