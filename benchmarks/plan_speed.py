@@ -109,10 +109,10 @@ def markdown(out: dict, args: argparse.Namespace) -> str:
     command = (f"python benchmarks/plan_speed.py --runs {args.runs}"
                f"{' --old-src DIR' if args.old_src else ''}"
                f"{f' --case {args.case}' if args.case != '8b' else ''}")
-    lines = [f"`{command}`: `batchfit {' '.join(out['argv'])}` in fresh processes, "
-             "start-up included.", "",
-             "| source | runs: wall s (CPU s) [load average before-after] | median wall s "
-             "| median CPU s | target | met | ratio to the old source |",
+    lines = [(f"`{command}`: `batchfit {' '.join(out['argv'])}` in fresh processes, "
+             "start-up included."), "",
+             ("| source | runs: wall s (CPU s) [load average before-after] | median wall s "
+             "| median CPU s | target | met | ratio to the old source |"),
              "|---|---|---|---|---|---|---|"]
     old = out["medians_s"].get("old")
     for name, runs in out["runs"].items():
