@@ -528,3 +528,21 @@ def test_one_replay_answers_what_the_least_capacity_search_answers(cuda):
     step = 2 * MIB if cuda else 1
     for limit in (needed - step, needed - 1, needed, needed + 1, needed + step):
         assert fits_within(events, device, limit) is (needed <= limit), limit
+
+
+def test_the_longest_sequence_on_a_card_without_a_cuda_total_says_so():
+    # max --seq-len has no estimate of its own to carry warnings: the result says it
+    pytest.importorskip("transformers")
+    from batchfit import TensorSpec
+    from batchfit.device.catalog import find_gpu
+    from batchfit.device.profile import gpu_profile
+
+    spec = {"input_ids": TensorSpec((128,), "int64", high=500),
+            "labels": TensorSpec((128,), "int64", high=500)}
+    h800 = max_seq_len(tiny_gpt2, spec, 2, device=gpu_profile(find_gpu("H800")), max_len=256,
+                       multiple_of=64)
+    assert h800.warnings and "marketed 80.00 GiB" in h800.warnings[0]
+    assert h800.to_dict()["warnings"] == list(h800.warnings)
+    h100 = max_seq_len(tiny_gpt2, spec, 2, device=gpu_profile(find_gpu("H100 SXM")),
+                       max_len=256, multiple_of=64)
+    assert h100.warnings == ()

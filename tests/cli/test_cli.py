@@ -204,6 +204,27 @@ def test_a_unified_memory_card_says_what_its_answer_assumes(factory_file):
     assert "shares its 64.0 GiB with the CPU and the OS" in text and "MemAvailable" in text
 
 
+def test_a_card_without_a_cuda_total_says_its_marketed_memory_stands_in(factory_file):
+    # The H800's CUDA total has no public report: its marketed 80 GiB stands in, and
+    # estimate, max and plan each say so (a card with a report, and a card whose memory
+    # is given, do not)
+    said = "the catalog has no public report of what CUDA reports as its total"
+    for command in (["estimate", f"{factory_file}:with_spec", "--batch-size", "8"],
+                    ["max", f"{factory_file}:with_spec", "--max-batch-limit", "64"],
+                    ["plan", f"{factory_file}:with_spec", "--global-batch", "8",
+                     "--strategies", "ddp", "--checkpointing", "off", "--offload", "none"]):
+        where = ["--gpus", "2xH800"] if command[0] == "plan" else ["--gpu", "H800"]
+        text = " ".join(invoke(*command, *where).stdout.split())
+        assert f"warning: NVIDIA H800 SXM5 80GB: {said}" in text and "80.00 GiB" in text, text
+        data = json.loads(invoke(*command, *where, "--json").stdout)
+        assert any(said in warning for warning in data["warnings"]), data
+        other = ["--gpus", "2xH100 SXM"] if command[0] == "plan" else ["--gpu", "H100 SXM"]
+        assert said not in " ".join(invoke(*command, *other).stdout.split())
+        if command[0] != "plan":
+            given = invoke(*command, "--gpu", "H800", "--memory", "79GiB")
+            assert given.exit_code == 0 and said not in " ".join(given.stdout.split())
+
+
 def test_max_on_a_named_gpu(factory_file):
     result = invoke("max", f"{factory_file}:with_spec", "--gpu", "T4", "--json",
                     "--max-batch-limit", "4096")

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from torch import nn
 
 from batchfit.device.allocator import AllocatorConfig
-from batchfit.device.profile import DeviceProfile, resolve_device
+from batchfit.device.profile import DeviceProfile, marketed_memory_note, resolve_device
 from batchfit.device.snapshot import SnapshotComparison, allocator_config_of, compare_step
 from batchfit.device.snapshot_diff import SnapshotDiff, diff_snapshots
 from batchfit.device.timeline import ModuleMemory, Timeline, needed_bytes, replay_events
@@ -253,6 +253,8 @@ def summarize(trace: StepTrace, device: DeviceProfile, first_step: bool = True,
     warnings = tuple(
         f"custom op {op} in module '{module or '<root>'}': only its outputs are traced"
         for op, module in trace.custom_ops.items())
+    if (marketed := marketed_memory_note(device)) is not None:
+        warnings += (marketed,)
     return MemoryEstimate(
         batch_size=trace.batch_size, device=device,
         peak_allocated_bytes=steady.peak_allocated_bytes,

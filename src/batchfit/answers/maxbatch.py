@@ -38,7 +38,7 @@ from batchfit.answers.solve import (
     solve_max_seq_len,
 )
 from batchfit.answers.tracepool import TracePool
-from batchfit.device.profile import DeviceProfile
+from batchfit.device.profile import DeviceProfile, marketed_memory_note
 from batchfit.device.timeline import fits_within, needed_bytes, peak_live_bytes
 from batchfit.engine.spec import TensorSpec, TrainConfig, make_config
 from batchfit.engine.trace import StepTrace, TraceReuse, trace_step
@@ -147,6 +147,7 @@ class MaxBatchResult:
             "stack": (self.stack.to_dict(self.device.compute_capability)
                       if self.stack is not None else None),
             "host_backed_bytes": est.host_backed_bytes,
+            "warnings": list(est.warnings),
         }
 
 
@@ -180,7 +181,15 @@ class MaxSeqLenResult:
             "total_bytes_at_max": self.total_bytes_at_max,
             "total_bytes_at_next": self.total_bytes_at_next, "next_seq_len": self.next_seq_len,
             "traces": self.traces, "capped": self.capped, "device": self.device.to_dict(),
+            "warnings": list(self.warnings),
         }
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """That the card's marketed memory stands in for CUDA's total, where it does
+        (:func:`~batchfit.device.profile.marketed_memory_note`)."""
+        note = marketed_memory_note(self.device)
+        return (note,) if note else ()
 
 
 def _budget(profile: DeviceProfile, memory_bytes: int | None, margin: float) -> tuple[int, int]:

@@ -49,7 +49,7 @@ from batchfit.answers.kvcache import (
     layer_caches,
     plan_blocks,
 )
-from batchfit.device.profile import DeviceProfile, resolve_device
+from batchfit.device.profile import DeviceProfile, marketed_memory_note, resolve_device
 from batchfit.errors import InvalidInputError, option
 
 GiB = 1 << 30
@@ -203,17 +203,6 @@ def _serving_dtype(model: str, dtype: str, profile: DeviceProfile) -> tuple[str,
     return stored, None
 
 
-def _total_memory_note(profile: DeviceProfile) -> str | None:
-    """Say so where a catalog card's CUDA total is unknown and its marketed memory stands in."""
-    gpu = profile.extra.get("gpu") if profile.extra else None
-    if gpu is None or getattr(gpu, "cuda_total_bytes", 0) is not None:
-        return None
-    return (f"{profile.name}: the catalog has no public report of what CUDA reports as its "
-            f"total, so its marketed {profile.total_memory_bytes / GiB:.2f} GiB stands in (CUDA "
-            "reports a little less): give the total memory as torch.cuda.mem_get_info()[1] "
-            "reports it for the exact figure")
-
-
 def _meta_model(config: Any, dtype: str) -> Any:
     """The causal LM on meta, in ``dtype``."""
     import torch
@@ -307,7 +296,7 @@ def serve_capacity(model: str, *, device: DeviceProfile | str,
             f"{option('max_model_len', context)} or less")
     chosen, dtype_note = _serving_dtype(model, dtype, profile)
     notes = tuple(n for n in (dtype_note, None if total_memory_bytes is not None
-                              else _total_memory_note(profile)) if n)
+                              else marketed_memory_note(profile)) if n)
     kv_name = _KV_DTYPES.get(str(kv_dtype).lower(), "invalid")
     if kv_name == "invalid":
         raise InvalidInputError(f"unknown {option('kv_dtype')} {kv_dtype!r}: use auto, fp16, bf16 or fp8")

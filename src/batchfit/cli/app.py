@@ -178,6 +178,10 @@ def _print_seq_len(answer: Any, as_json: bool) -> None:
               f"({format_bytes(result.total_bytes_at_max)} needed, budget "
               f"{format_bytes(result.budget_bytes)}; {result.traces} traces"
               + ("; capped at the model's context" if result.capped else "") + ")")
+    from batchfit.cli.report import warning_lines
+
+    for line in warning_lines(result.warnings):
+        out.print(line)
 
 
 @app.command("search")

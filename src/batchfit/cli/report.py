@@ -200,8 +200,7 @@ def render_estimate(est: Any) -> Group:
     if getattr(est, "host_backed_bytes", 0):
         lines.append(Text(host_backed_note(est.host_backed_bytes), style="cyan"))
     lines.extend(allocator_lines(est.device))
-    for warning in est.warnings:
-        lines.append(Text(f"warning: {warning}", style="yellow"))
+    lines.extend(warning_lines(est.warnings))
     if getattr(est, "snapshot_comparison", None) is not None:
         lines.extend(snapshot_lines(est.snapshot_comparison))
     if getattr(est, "snapshot_diff", None) is not None:
@@ -285,7 +284,14 @@ def render_max_batch(result: Any, model: str) -> Group:
     constraint = result.binding_constraint.value
     lines.append(Text(f"binding constraint: {constraint}" + (f" ({result.note})" if result.note else "")
                       + f"; {result.traces} traces"))
+    lines.extend(warning_lines(est.warnings))
     return Group(*lines)
+
+
+def warning_lines(warnings: Sequence[str]) -> list[Text]:
+    """Each warning of an answer (a custom op traced by its outputs only, a card whose
+    marketed memory stands in for CUDA's total) on its own line."""
+    return [Text(f"warning: {warning}", style="yellow") for warning in warnings]
 
 
 def render_plan(result: Any, model: str) -> Group:
@@ -319,6 +325,7 @@ def render_plan(result: Any, model: str) -> Group:
                           f"{best.accumulation_steps} accumulation steps "
                           f"({best.step_s:.3f} s per step, no overlap of compute and "
                           "communication assumed)", style="italic"))
+    lines.extend(warning_lines(result.warnings))
     return Group(*lines)
 
 

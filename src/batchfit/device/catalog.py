@@ -98,6 +98,8 @@ PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
 _VENDOR_WORDS = ("nvidia", "geforce", "tesla", "quadro", "amd", "instinct")
 _GIB = 2**30
+#: ``cuda_total_source`` of a card whose memory the user gave (:meth:`GPU.with_memory`).
+GIVEN = "given"
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,22 @@ class GPU:
                 f"memory_bytes must be a positive number of bytes, not {memory_bytes!r}")
         # The given memory is the whole: what CUDA would report for it.
         return replace(self, memory_bytes=int(memory_bytes), cuda_total_bytes=None,
-                       cuda_total_source="")
+                       cuda_total_source=GIVEN)
+
+    @property
+    def memory_is_marketed(self) -> bool:
+        """No report of what CUDA reports as this card's total is known, and none was
+        given (:meth:`with_memory`), so the marketed memory stands in for it: CUDA
+        reports a little less, so an answer at the edge of the card may not fit.
+
+        Example:
+            >>> from batchfit.device.catalog import find_gpu
+            >>> find_gpu("H800").memory_is_marketed, find_gpu("H100 SXM").memory_is_marketed
+            (True, False)
+            >>> find_gpu("H800").with_memory(79 * 2**30).memory_is_marketed
+            False
+        """
+        return self.cuda_total_bytes is None and self.cuda_total_source != GIVEN
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickle (a trace worker sends estimates back): the read-only rates as a dict."""

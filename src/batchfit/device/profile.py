@@ -234,6 +234,19 @@ def gpu_profile(gpu: Any, memory_bytes: int | None = None, *,
                    extra={"gpu": gpu})
 
 
+def marketed_memory_note(profile: DeviceProfile) -> str | None:
+    """One line where ``profile`` is a catalog card whose CUDA total is unknown, so that its
+    marketed memory stands in (:attr:`~batchfit.device.catalog.GPU.memory_is_marketed`);
+    else None."""
+    gpu = profile.extra.get("gpu") if profile.extra else None
+    if gpu is None or not getattr(gpu, "memory_is_marketed", False):
+        return None
+    return (f"{profile.name}: the catalog has no public report of what CUDA reports as its "
+            f"total, so its marketed {profile.total_memory_bytes / GiB:.2f} GiB stands in (CUDA "
+            "reports a little less): give the total memory as torch.cuda.mem_get_info()[1] "
+            "reports it for the exact figure")
+
+
 def _check_room_for_overheads(profile: DeviceProfile) -> None:
     """A memory the context and workspaces fill is a mistyped size, not a batch too large."""
     memory = profile.total_memory_bytes or 0

@@ -95,6 +95,9 @@ class PlanResult:
     rows: tuple[LayoutPlan, ...]
     precision: str = Precision.FP32.value
     precision_source: str = "config"
+    #: e.g. that the card's marketed memory stands in for CUDA's total
+    #: (:func:`~batchfit.device.profile.marketed_memory_note`)
+    warnings: tuple[str, ...] = ()
 
     @property
     def best(self) -> LayoutPlan | None:
@@ -105,7 +108,8 @@ class PlanResult:
                 "global_batch_size": self.global_batch_size, "precision": self.precision,
                 "precision_source": self.precision_source,
                 "best": self.best.to_dict() if self.best else None,
-                "layouts": [row.to_dict() for row in self.rows]}
+                "layouts": [row.to_dict() for row in self.rows],
+                "warnings": list(self.warnings)}
 
 
 def parse_gpus(text: str) -> tuple[int, str]:
@@ -161,7 +165,7 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
     """
     from batchfit.device.catalog import find_gpu
     from batchfit.device.interconnect import DEFAULT_NETWORK_BYTES_PER_S
-    from batchfit.device.profile import gpu_profile
+    from batchfit.device.profile import gpu_profile, marketed_memory_note
     from batchfit.sharding.layout import Parallelism
 
     config = make_config(config, options)
@@ -188,7 +192,8 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
     requests = [(variant, variant_config, micro) for variants in searches
                 for variant, variant_config in variants
                 for micro in _divisors(global_batch // variant.data_parallel_size)]
-    with _Needs(model, inputs, gpu_profile(card), requests, config) as needs:
+    device = gpu_profile(card)
+    with _Needs(model, inputs, device, requests, config) as needs:
         # one model built on meta for the facts, the memory traces and the roofline's
         facts = _model_facts(model, inputs, needs.meta_model, config)
         needs.speed = _Speed(model, inputs, card, needs.meta_model)  # before the fork
@@ -205,7 +210,9 @@ def plan(model: Any, inputs: Any, config: TrainConfig | None = None, *, gpus: st
                 if isinstance(layout, str) else next(searched)
                 for strategy, tp, layout in layouts]
     rows.sort(key=lambda r: (not r.feasible, r.step_s if r.feasible else 0.0))
-    return PlanResult(card.name, count, nodes, global_batch, tuple(rows), chosen.value, source)
+    marketed = marketed_memory_note(device)
+    return PlanResult(card.name, count, nodes, global_batch, tuple(rows), chosen.value, source,
+                      (marketed,) if marketed else ())
 
 
 #: The first compute capability with bfloat16 (Ampere).
