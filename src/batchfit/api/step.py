@@ -189,7 +189,36 @@ def resolve_step(model: str, *, input_shape: str | None = None, seq_len: int | N
             "e.g. 3x224x224)")
     if spec.loss_fn is not None:
         config = replace(config, loss_fn=spec.loss_fn)
-    return Step(spec, spec.input_spec, config)
+    inputs = spec.input_spec
+    if spec.hf_labels and config.mode is Mode.INFER:
+        inputs = inference_inputs(inputs, spec.hf_task)
+    return Step(spec, inputs, config)
+
+
+def inference_inputs(inputs: Mapping[str, Any], task: Any) -> dict[str, Any]:
+    """A Hugging Face model's batch for inference: what ``model(**batch)`` takes to
+    predict, without the ``labels`` that make it compute its loss as well (the logits
+    upcast to float32 and their log-softmax, as large again as the logits: in
+    ``transformers``' ``ForCausalLMLoss``, loss/loss_utils.py); a seq2seq model, which
+    derives its decoder's input from the labels when it has no ``decoder_input_ids``
+    (T5's ``_shift_right``, BART's ``shift_tokens_right`` in their forwards), takes them
+    as ``decoder_input_ids``.
+
+    Example:
+        >>> from batchfit import TensorSpec
+        >>> from batchfit.models.modelspec import HFTask
+        >>> tokens = TensorSpec((8,), "int64", high=100)
+        >>> sorted(inference_inputs({"input_ids": tokens, "labels": tokens}, HFTask.CAUSAL_LM))
+        ['input_ids']
+        >>> sorted(inference_inputs({"input_ids": tokens, "labels": tokens}, HFTask.SEQ2SEQ_LM))
+        ['decoder_input_ids', 'input_ids']
+    """
+    from batchfit.models.modelspec import HFTask
+
+    kept = {name: value for name, value in inputs.items() if name != "labels"}
+    if task is HFTask.SEQ2SEQ_LM and "labels" in inputs:
+        kept["decoder_input_ids"] = inputs["labels"]
+    return kept
 
 
 def check_attn(attn: str | None, config: Any, profile: Any) -> None:
