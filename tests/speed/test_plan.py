@@ -354,3 +354,48 @@ def test_a_round_traces_the_longest_first():
     assert order == [("zero3", True), ("zero3", False), ("zero2", True), ("zero1", True),
                      ("zero2", False), ("zero1", False), ("ddp", True), ("fsdp", True),
                      ("ddp", False), ("fsdp", False)]
+
+
+@pytest.mark.parametrize("case", ["moot above the card", "fails at 2", "nothing fits"])
+def test_a_failing_trace_answers_alike_in_pairs_and_in_sequence(case, monkeypatch):
+    # Pairs begin at micro-batches 2 and 4, where the search in sequence begins at 1: a
+    # trace that fails (here from micro-batch 4 up, or from 2) must give the row the search
+    # in sequence gives. The rank traces are stubbed (needs in GiB of a 16 GiB card).
+    from types import SimpleNamespace
+
+    from batchfit.answers import ranks, tracepool
+    from batchfit.engine.spec import TrainConfig
+    from batchfit.errors import InvalidInputError
+
+    gib = 1 << 30
+    over_from, fail_from = {"moot above the card": (2, 4), "fails at 2": (4, 2),
+                            "nothing fits": (1, 2)}[case]
+    traced: list[int] = []
+
+    def stub(model, inputs, micro, config, **kw):
+        traced.append(micro)
+        if micro >= fail_from:
+            raise InvalidInputError(f"no kernel for micro-batch {micro}: a stand-in failure")
+        return SimpleNamespace(total_bytes=(20 if micro >= over_from else 10) * gib)
+
+    monkeypatch.setattr(ranks, "estimate_ranks", stub)
+    mlp = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64))
+
+    def row(pairs: bool):
+        traced.clear()
+        monkeypatch.setattr(tracepool.TraceQueue, "parallel", property(lambda self: pairs))
+        monkeypatch.setattr(tracepool, "_can_fork", lambda: False)  # traced here, in order
+        result = plan(mlp, (64,), TrainConfig(optimizer="sgd"), gpus="2xT4", global_batch=32,
+                      strategies=["ddp"], checkpointing="off", offload="none")
+        return result.rows[0].to_dict(), list(traced)
+
+    (in_pairs, pairs_traced), (in_sequence, sequence_traced) = row(True), row(False)
+    for field in ("feasible", "micro_batch_size", "memory_per_gpu_bytes", "reason"):
+        assert in_pairs[field] == in_sequence[field], (field, in_pairs, in_sequence)
+    assert pairs_traced[:2] == [2, 4] and sequence_traced[0] == 1
+    if case == "moot above the card":  # 2 is over, 4 fails: the answer is 1, as in sequence
+        assert in_pairs["feasible"] and in_pairs["micro_batch_size"] == 1
+    elif case == "fails at 2":  # 1 fits, 2 fails: the failure is the answer
+        assert not in_pairs["feasible"] and "micro-batch 2" in in_pairs["reason"]
+    else:  # 1 is over the card: none fits, whatever 2 says
+        assert not in_pairs["feasible"] and in_pairs["reason"].startswith("a micro-batch of 1")

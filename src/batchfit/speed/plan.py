@@ -491,24 +491,42 @@ class _Needs:
                                                                  tuple[int | None, int]]:
         """The largest micro-batch that divides ``per_replica`` and fits rank 0, and its
         bytes (None and the bytes at 1 when none fits): :func:`divisor_search`, in pairs
-        when the queue has workers. A trace that fails raises its error when the search
-        asks for it (the first failure in the search's order is what it answers)."""
+        when the queue has workers.
+
+        A trace that fails (its error, a :class:`~batchfit.errors.BatchfitError`) answers
+        for the variant, as the search in sequence meets it: the smallest failing
+        micro-batch's error is raised, once the first divisor (where the search in
+        sequence begins) is traced too (over the card, it is the answer: none fits); a
+        failure above a micro-batch already over the card cannot move the answer, so it
+        counts as over the card."""
         key = _variant_key(layout, config)
         sizes = self.sizes.setdefault(key, {})
         divisors = _divisors(per_replica)
-        search = divisor_search(divisors, self.device.total_memory_bytes,
-                                lambda: self.slopes.get(config.checkpointing),
+        budget = self.device.total_memory_bytes
+        search = divisor_search(divisors, budget, lambda: self.slopes.get(config.checkpointing),
                                 self.queue.parallel)
         try:
             asked = next(search)
             while True:
                 traced = yield [self._ids[key, b] for b in asked]
-                for b in asked:  # in order: the first failure is the answer
+                needs = {}
+                for b in sorted(asked):
                     result = traced[self._ids[key, b]]
-                    if isinstance(result, BatchfitError):
+                    if not isinstance(result, BatchfitError):
+                        sizes[b] = needs[b] = result
+                    elif any(n > budget for m, n in sizes.items() if m < b):
+                        needs[b] = budget + 1  # moot: a smaller one is over the card
+                    else:
+                        one = divisors[0]
+                        if one < b and one not in sizes:
+                            earlier = (yield [self._ids[key, one]])[self._ids[key, one]]
+                            if isinstance(earlier, BatchfitError):
+                                raise earlier
+                            sizes[one] = earlier
+                            if earlier > budget:  # nothing fits: the answer in sequence
+                                return None, earlier
                         raise result
-                    sizes[b] = result
-                asked = search.send({b: sizes[b] for b in asked})
+                asked = search.send(needs)
         except StopIteration as stop:
             answer = stop.value
         measured = _slope(sizes, answer)
