@@ -333,6 +333,10 @@ def test_live_gpu_takes_memory_from_the_device_and_rates_from_the_catalog(monkey
     assert gpu.peak_flops["bf16"] == pytest.approx(312e12)
     assert gpu.memory_bandwidth_bytes_per_s == pytest.approx(2.039e12)
     assert "a100-80gb" in gpu.source
+    # its memory is what the device reports: no warning that a marketed figure stands in
+    from batchfit.device.profile import gpu_profile, marketed_memory_note
+
+    assert not gpu.memory_is_marketed and marketed_memory_note(gpu_profile(gpu)) is None
 
 
 def test_live_gpu_with_a_generic_name_matches_by_architecture(monkeypatch):

@@ -98,7 +98,8 @@ PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
 _VENDOR_WORDS = ("nvidia", "geforce", "tesla", "quadro", "amd", "instinct")
 _GIB = 2**30
-#: ``cuda_total_source`` of a card whose memory the user gave (:meth:`GPU.with_memory`).
+#: ``cuda_total_source`` of a card whose memory is the whole that CUDA hands out: given by
+#: the user (:meth:`GPU.with_memory`) or read from the device (:func:`live_gpu`).
 GIVEN = "given"
 
 
@@ -178,8 +179,9 @@ class GPU:
     @property
     def memory_is_marketed(self) -> bool:
         """No report of what CUDA reports as this card's total is known, and none was
-        given (:meth:`with_memory`), so the marketed memory stands in for it: CUDA
-        reports a little less, so an answer at the edge of the card may not fit.
+        given (:meth:`with_memory`) or read from the device (:func:`live_gpu`), so the
+        marketed memory stands in for it: CUDA reports a little less, so an answer at the
+        edge of the card may not fit.
 
         Example:
             >>> from batchfit.device.catalog import find_gpu
@@ -406,7 +408,7 @@ def live_gpu(index: int = 0) -> GPU:
         name=props.name, key=f"cuda:{index}", vendor="amd" if is_rocm else "nvidia",
         memory_bytes=memory_bytes, sm_count=sm_count, compute_capability=cc, arch=arch,
         peak_flops=peak_flops, memory_bandwidth_bytes_per_s=bandwidth, aliases=(),
-        source=source, unified_memory=unified)
+        source=source, unified_memory=unified, cuda_total_source=GIVEN)
 
 
 def host_memory_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
