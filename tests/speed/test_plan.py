@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from batchfit.speed.plan import largest_fitting_divisor, plan
+from batchfit.speed.divisors import largest_fitting_divisor
+from batchfit.speed.plan import plan
 
 
 def bisection(divisors: list[int], need, budget: int) -> tuple[int | None, int]:
