@@ -441,9 +441,9 @@ class _Needs:
         from batchfit.answers.ranks import estimate_ranks
         from batchfit.engine.trace import TraceReuse
 
-        if request >= len(self.requests):  # a roofline micro-step: its seconds
+        if (roofline := self._roofline(request)) is not None:  # its seconds
             assert self.speed is not None
-            return self.speed.micro_step_s(*self.rooflines[request - len(self.requests)])
+            return self.speed.micro_step_s(*roofline)
         layout, config, micro = self.requests[request]
         key = _variant_key(layout, config)
         if key not in self._reuse:
@@ -457,19 +457,24 @@ class _Needs:
         except BatchfitError as exc:  # the variant's answer, if the search asks for it
             return exc
 
+    def _roofline(self, request: int) -> tuple[TrainConfig, int] | None:
+        """The (config, micro-batch) of a roofline request (numbered after the rank
+        traces); None for a rank trace."""
+        return self.rooflines[request - len(self.requests)] \
+            if request >= len(self.requests) else None
+
     def rank(self, request: int) -> tuple[int, bool]:
         """Which waiting trace a free worker takes first: the longest
         (:func:`_trace_length_rank`; a roofline's runs as long as torch's own layouts)."""
-        if request >= len(self.requests):
-            config, _ = self.rooflines[request - len(self.requests)]
-            return len(_TRACE_LENGTH), not config.checkpointing
+        if (roofline := self._roofline(request)) is not None:
+            return len(_TRACE_LENGTH), not roofline[0].checkpointing
         layout, config, _ = self.requests[request]
         return _trace_length_rank(_variant_key(layout, config))
 
     def label(self, request: int) -> str:
         """What a trace is, for progress: ``zero3 at a micro-batch of 2``."""
-        if request >= len(self.requests):
-            config, micro = self.rooflines[request - len(self.requests)]
+        if (roofline := self._roofline(request)) is not None:
+            config, micro = roofline
             what = f"the roofline{' +checkpointing' if config.checkpointing else ''}"
         else:
             layout, config, micro = self.requests[request]
